@@ -1,0 +1,41 @@
+"""The one plain dataclass that crosses from the scheduler to the model runner each step.
+
+The scheduler decides who runs and how many tokens; the runner owns every tensor
+and turns a ``SchedulerOutput`` into one sampled token per request that asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    # Tokens to run this step: a chunk of the prompt (or of prompt + output when a
+    # preempted request is recomputed), or the single token sampled last step.
+    token_ids: list[int]
+    # Position of token_ids[0]; equals the number of tokens already in the KV cache.
+    start_pos: int
+    # Physical KV blocks for positions [0, start_pos + len(token_ids)), in order.
+    block_table: list[int]
+    # True when this step reaches the end of the known tokens: sample one new token.
+    sample: bool
+    sampling: SamplingParams
+    # Output tokens generated so far (the sampler's seeded stream continues from here).
+    num_output_tokens: int = 0
+    adapter_slot: int = -1  # LoRA slot; -1: the base model
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Decodes first, then prefill chunks; the runner keeps this order in its result.
+    requests: list[ScheduledRequest]
+    # Requests that ended since the last step: the runner drops their per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)

@@ -1,0 +1,42 @@
+"""Engine configuration: one dataclass, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_dir: Path
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    block_size: int = 16  # tokens per KV block
+    # KV cache size: an explicit block count wins; else a byte budget (CPU) or a
+    # fraction of free GPU memory after the weights are loaded (CUDA).
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    use_triton: bool | None = None  # None: Triton kernels on CUDA, torch paths elsewhere
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_bytes < 1 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("kv_cache_bytes must be > 0 and gpu_memory_utilization in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must cover "
+                             "max_model_len")

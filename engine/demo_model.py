@@ -1,0 +1,276 @@
+"""Builds small Llama checkpoints in Hugging Face layout, deterministically from a seed.
+
+Tests build the "tiny" size in a fraction of a second; ``atrium up`` serves the "demo" size,
+built once and cached under ``$ATRIUM_HOME/models``. Both load through the same
+code a real checkpoint uses (``AutoModelForCausalLM``, ``tokenizer.json``).
+
+NOTE: torch is imported only while building, so ``ensure_demo_model`` costs a
+path lookup (and no torch import) once the model is cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine import demo_corpus
+
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
+
+# Bump whenever the builder's output changes: it is part of the cache key.
+BUILDER_VERSION = 1
+DEMO_SEED = 0
+# The BPE trainer stops earlier (about 1,500) once the corpus runs out of merges.
+VOCAB_TARGET = 1536
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = [BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>", END_OF_TURN]
+
+# Roles are written as their special token, then a newline, the content and <|end|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    init_std: float = 0.02
+    train_steps: int = 0  # a brief pass on the corpus so the demo babbles English-like text
+    train_batch: int = 8
+    train_seq_len: int = 64
+    train_lr: float = 2e-2
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+SIZES: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128),
+    "demo": ModelSpec(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=512, train_steps=80),
+}
+
+
+def build_model(out_dir: Path, *, size: str = "tiny", seed: int = 0) -> Path:
+    """Writes a complete Hugging Face checkpoint into ``out_dir`` and returns it."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    spec = SIZES[size]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(seed)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    eos_ids = [ids[EOS], ids[END_OF_TURN]]
+    config = _config(spec, vocab_size, bos_id=ids[BOS], eos_ids=eos_ids)
+    tensors = init_weights(spec, vocab_size, seed)
+    if spec.train_steps:
+        from engine.demo_train import train
+
+        tensors = train(config, tensors, _training_tokens(tokenizer, seed), spec, seed)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", {
+        "bos_token_id": ids[BOS], "eos_token_id": eos_ids, "pad_token_id": ids[EOS],
+        "do_sample": False})
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+        "pad_token": EOS, "add_bos_token": True, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_position_embeddings, "chat_template": CHAT_TEMPLATE})
+    _write_json(out_dir / "special_tokens_map.json",
+                {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS})
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
+    return out_dir
+
+
+def train_tokenizer(seed: int) -> Tokenizer:
+    """Byte-level BPE: every byte is in the alphabet, so any UTF-8 text round-trips."""
+    # NOTE: the trainer's output does not depend on RAYON_NUM_THREADS (checked with 1 to 16);
+    # tests/engine/test_demo_model.py keeps two builds byte-identical.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(demo_corpus.corpus(seed), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                      special_tokens=[(BOS, bos_id)]),
+    ])
+    return tokenizer
+
+
+def init_weights(spec: ModelSpec, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """Llama weights under Hugging Face names; norms start at one, the rest normal(0, std)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    h, kv = spec.hidden_size, spec.num_key_value_heads * spec.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * spec.init_std
+
+    tensors = {"model.embed_tokens.weight": normal(vocab_size, h)}  # [vocab, hidden]
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": normal(h, h),  # [heads * head_dim, hidden]
+            p + "self_attn.k_proj.weight": normal(kv, h),  # [kv_heads * head_dim, hidden]
+            p + "self_attn.v_proj.weight": normal(kv, h),
+            p + "self_attn.o_proj.weight": normal(h, h),
+            p + "mlp.gate_proj.weight": normal(spec.intermediate_size, h),
+            p + "mlp.up_proj.weight": normal(spec.intermediate_size, h),
+            p + "mlp.down_proj.weight": normal(h, spec.intermediate_size),
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+        }
+    tensors["model.norm.weight"] = torch.ones(h)
+    tensors["lm_head.weight"] = normal(vocab_size, h)  # untied from the embedding
+    return tensors
+
+
+def _config(spec: ModelSpec, vocab_size: int, *, bos_id: int, eos_ids: list[int]) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "initializer_range": spec.init_std,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": False, "use_cache": True, "torch_dtype": "float32",
+        "bos_token_id": bos_id, "eos_token_id": eos_ids,
+    }
+
+
+def _training_tokens(tokenizer: Tokenizer, seed: int) -> list[int]:
+    """The corpus as one token stream: chats through the chat template, prose between BOS/EOS."""
+    from jinja2 import Environment
+
+    template = Environment().from_string(CHAT_TEMPLATE)
+    rng = random.Random(seed + 1)
+    stream: list[int] = []
+    for _ in range(1500):
+        if rng.random() < 0.6:
+            sample = demo_corpus.chat_sample(rng)
+            messages = ([{"role": "system", "content": sample.system}] if sample.system else [])
+            messages += [{"role": "user", "content": sample.user},
+                         {"role": "assistant", "content": sample.assistant}]
+            text = template.render(messages=messages, bos_token=BOS)
+            stream += tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            text = demo_corpus.paragraph(rng, rng.randint(1, 4))
+            stream += tokenizer.encode(text).ids + [tokenizer.token_to_id(EOS)]
+    return stream
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def atrium_home(home: Path | str | None = None) -> Path:
+    return Path(home or os.environ.get("ATRIUM_HOME") or Path.home() / ".atrium").expanduser()
+
+
+def demo_model_dir(home: Path | str | None = None, *, seed: int = DEMO_SEED) -> Path:
+    """Where the demo model for this builder version, seed and spec lives (built or not)."""
+    key = json.dumps({"builder": BUILDER_VERSION, "seed": seed, "spec": asdict(SIZES["demo"])},
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return atrium_home(home) / "models" / f"atrium-demo-{digest}"
+
+
+def ensure_demo_model(home: Path | str | None = None) -> Path:
+    """Returns the cached demo model, building it first if this is the first call.
+
+    The build goes into a temporary folder beside the target and is renamed into
+    place, so a crashed build leaves no half model and two racing processes both
+    end up using the one that was renamed first.
+    """
+    target = demo_model_dir(home)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=target.parent))
+    try:
+        build_model(tmp, size="demo", seed=DEMO_SEED)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise  # not a lost race: a real failure
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_builds(models_dir: Path, max_age_s: float = 3600.0) -> None:
+    for path in models_dir.glob(".build-*"):
+        try:
+            if time.time() - path.stat().st_mtime > max_age_s:
+                shutil.rmtree(path, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.demo_model",
+                                     description="Build a small Llama checkpoint.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    path = build_model(args.out_dir, size=args.size, seed=args.seed)
+    print(f"built {args.size} model in {time.perf_counter() - started:.1f}s: {path}")
+
+
+if __name__ == "__main__":
+    main()

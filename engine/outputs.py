@@ -1,0 +1,58 @@
+"""What an engine hands the worker each step, and the interface the worker drives.
+
+The reference engine (reference.py) and the continuous-batching engine both
+speak this; the worker (worker.py) knows nothing else about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from engine import protocol
+
+
+@dataclass(slots=True)
+class Usage:
+    # NOTE: prompt_tokens counts prompt tokens the engine actually ran (0 when a request
+    # ends before its prefill): billing charges for work done.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_s: float = 0.0  # added to the engine → first scheduled
+    ttft_s: float | None = None  # added to the engine → first output token
+    total_s: float = 0.0  # added to the engine → finished
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's progress in one step: new text and tokens, and how it ended."""
+
+    request_id: str
+    text_delta: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # protocol.FINISH_* or None while running / on error
+    usage: Usage | None = None  # set on the final output
+    error: str | None = None  # set when the engine failed this request
+
+
+class EngineCore(Protocol):
+    """The engine interface the worker drives, one ``step()`` at a time."""
+
+    def add_request(self, request: protocol.EngineRequest) -> None:
+        """Queues a request; raises ValueError when it can never run (the worker reports it)."""
+
+    def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
+        """Drops a queued or running request; its final output, or None if unknown."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def num_running(self) -> int: ...
+
+    def num_waiting(self) -> int: ...
+
+    def step(self) -> list[RequestOutput]: ...

@@ -1,0 +1,179 @@
+"""The Redis protocol between the platform and engine workers (docs/protocol.md).
+
+Pure Python, no torch and no Django: both sides import this module and nothing
+else of each other. Every payload is one JSON document in the field ``data`` of
+a stream entry or in a plain key, so either side can be replaced by any
+language that speaks Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+KEY_PREFIX = "atrium"
+
+ENGINE_GROUP = "engines"
+HEARTBEAT_INTERVAL_S = 1.0
+# An engine whose last heartbeat is older than this is dead.
+HEARTBEAT_TTL_S = 5.0
+# Event streams and cancel flags outlive their request by this much, then expire.
+EVENTS_TTL_S = 300
+REQUEST_STREAM_MAXLEN = 100_000
+
+
+def request_stream(model: str) -> str:
+    """Stream of pending requests for one served model, read by a consumer group."""
+    return f"{KEY_PREFIX}:requests:{model}"
+
+
+def events_stream(request_id: str) -> str:
+    """Stream of one request's events, written by the engine that runs it."""
+    return f"{KEY_PREFIX}:events:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    """Exists while a request is cancelled; engines check it every step."""
+    return f"{KEY_PREFIX}:cancel:{request_id}"
+
+
+# Usage of every request an engine accepted, for the billing ledger (consumer group "billing").
+USAGE_STREAM = f"{KEY_PREFIX}:usage"
+USAGE_GROUP = "billing"
+USAGE_STREAM_MAXLEN = 1_000_000
+ENGINES_ZSET = f"{KEY_PREFIX}:engines"  # member engine_id, score last heartbeat (unix s)
+
+
+def engine_key(engine_id: str) -> str:
+    """The engine's latest heartbeat document (EngineHeartbeat as JSON)."""
+    return f"{KEY_PREFIX}:engine:{engine_id}"
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request, as XADDed to ``request_stream(model)``."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    tenant_id: str
+    # Derived on the server from tenant, model and adapter identity; never from the client.
+    cache_salt: str = ""
+    adapter: str | None = None
+    api_key_id: int | None = None  # for the usage ledger; never an access decision here
+    priority: int = 0  # lower runs first
+    deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
+    arrival: float = field(default_factory=time.time)
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> dict[str, str]:
+        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict[Any, Any]) -> EngineRequest:
+        raw = json.loads(_text(fields[b"data"] if b"data" in fields else fields["data"]))
+        raw["sampling"] = SamplingSpec(**raw["sampling"])
+        return cls(**raw)
+
+
+# Event types on ``events_stream(request_id)``; every entry carries a ``seq``
+# that starts at 0 and grows by one, so a reader can tell a gap from a delay.
+EV_ACCEPTED = "accepted"  # data: {"engine_id"}
+EV_DELTA = "delta"  # data: {"text", "token_ids"}
+EV_FINISH = "finish"  # data: {"finish_reason", "usage": {...}}; always the last event
+EV_ERROR = "error"  # data: {"code", "message", "usage"}; always the last event
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_DEADLINE = "deadline"
+
+# The ``code`` of an EV_ERROR event.
+ERROR_INVALID_REQUEST = "invalid_request"  # malformed entry or a request the engine refuses
+ERROR_ENGINE = "engine_error"  # the engine failed while running this request
+ERROR_ENGINE_LOST = "engine_lost"  # its engine died; another engine closed the stream
+ERROR_ENGINE_SHUTDOWN = "engine_shutdown"  # its engine was stopped before it finished
+
+
+@dataclass(slots=True)
+class Event:
+    seq: int
+    type: str
+    data: dict[str, Any]
+
+    def encode(self) -> dict[str, str]:
+        return {
+            "seq": str(self.seq),
+            "type": self.type,
+            "data": json.dumps(self.data, separators=(",", ":")),
+        }
+
+    @classmethod
+    def decode(cls, fields: dict[Any, Any]) -> Event:
+        get = lambda k: _text(fields[k.encode()] if k.encode() in fields else fields[k])  # noqa: E731
+        return cls(seq=int(get("seq")), type=get("type"), data=json.loads(get("data")))
+
+    @property
+    def is_final(self) -> bool:
+        return self.type in (EV_FINISH, EV_ERROR)
+
+
+@dataclass(slots=True)
+class EngineHeartbeat:
+    engine_id: str
+    model: str
+    started_at: float
+    sent_at: float
+    running: int = 0
+    waiting: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> EngineHeartbeat:
+        return cls(**json.loads(_text(raw)))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(slots=True)
+class UsageReport:
+    """One accepted request's final usage, XADDed to USAGE_STREAM with its final event."""
+
+    request_id: str
+    tenant_id: str
+    model: str
+    usage: dict[str, Any]
+    occurred_at: float  # unix seconds when the request ended
+    api_key_id: int | None = None
+    adapter: str | None = None
+    finish_reason: str | None = None
+    error_code: str | None = None
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> dict[str, str]:
+        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict[Any, Any]) -> UsageReport:
+        return cls(**json.loads(_text(fields[b"data"] if b"data" in fields else fields["data"])))

@@ -1,0 +1,129 @@
+"""Taking over the requests a dead engine left pending in the consumer group.
+
+An entry stays in the group's pending list from XREADGROUP until the final
+event's XACK. If its consumer's heartbeat has gone stale and the entry has sat
+there long enough, a live engine claims it (XCLAIM with a minimum idle time, so
+two engines never both win) and then:
+
+- the events stream already ends in a final event → only XACK/XDEL the entry;
+- it has events but no final one (the dead engine accepted it) → append
+  ``error`` with code ``engine_lost``, continuing the seq, and XACK/XDEL;
+- it has no events (never accepted) → run it as if it had just arrived.
+
+NOTE: XPENDING + XCLAIM rather than XAUTOCLAIM: XAUTOCLAIM cannot tell a dead
+owner from a live one still generating a long answer, and would steal the latter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine import protocol
+from engine.outputs import Usage
+
+if TYPE_CHECKING:
+    from engine.worker import Worker
+
+log = logging.getLogger(__name__)
+
+_BATCH = 100
+
+
+class Recovery:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.client = worker.client
+
+    def run(self, *, own: bool = False) -> int:
+        """Claims and settles dead engines' entries; returns how many it claimed.
+
+        ``own``: this engine's own pending entries, at start-up: an earlier process
+        with the same engine_id died holding them.
+        """
+        w = self.worker
+        min_idle_ms = 0 if own else int(w.config.claim_min_idle_s * 1000)
+        pending = self.client.xpending_range(
+            w.stream, protocol.ENGINE_GROUP, min="-", max="+", count=_BATCH,
+            consumername=w.engine_id if own else None, idle=min_idle_ms or None)
+        if own:
+            ids = [p["message_id"] for p in pending]
+        else:
+            owners = {_text(p["consumer"]) for p in pending} - {w.engine_id}
+            alive = self.alive(owners)
+            ids = [p["message_id"] for p in pending
+                   if _text(p["consumer"]) in owners - alive]
+        if ids:
+            claimed = self.client.xclaim(w.stream, protocol.ENGINE_GROUP, w.engine_id,
+                                         min_idle_time=min_idle_ms, message_ids=ids)
+            log.warning("engine %s claimed %d request(s) left by dead engines",
+                        w.engine_id, len(claimed))
+            for entry_id, fields in claimed:
+                if fields:
+                    self.settle(entry_id, fields)
+                else:  # deleted from the stream while pending (Redis < 7 still lists it)
+                    w.events.drop(entry_id)
+        if not own:
+            self.forget_dead_consumers()
+        return len(ids)
+
+    def settle(self, entry_id: bytes, fields: Any) -> None:
+        w = self.worker
+        request = w.decode_entry(entry_id, fields)
+        if request is None:
+            return
+        raw = self.client.xrange(protocol.events_stream(request.request_id))
+        if not raw:
+            w.start(entry_id, request)
+            return
+        try:
+            events = [protocol.Event.decode(f) for _, f in raw]
+        except Exception:  # noqa: BLE001 - a damaged stream is still a lost request
+            log.warning("events of request %s do not decode", request.request_id)
+            events = []
+        if events and events[-1].is_final:
+            w.events.drop(entry_id)
+            return
+        made = sum(len(e.data.get("token_ids", [])) for e in events
+                   if e.type == protocol.EV_DELTA)
+        usage = Usage(prompt_tokens=len(request.prompt_token_ids) if made else 0,
+                      completion_tokens=made)
+        seq = events[-1].seq + 1 if events else len(raw)
+        w.events.write_final(entry_id, request.request_id, protocol.Event(
+            seq, protocol.EV_ERROR, {"code": protocol.ERROR_ENGINE_LOST,
+                                     "message": "the engine running this request stopped",
+                                     "usage": usage.to_dict()}), request=request)
+
+    def alive(self, engine_ids: set[str]) -> set[str]:
+        """The engines among ``engine_ids`` whose last heartbeat is fresh."""
+        ids = sorted(engine_ids)
+        if not ids:
+            return set()
+        with self.client.pipeline(transaction=False) as pipe:
+            for engine_id in ids:
+                pipe.zscore(protocol.ENGINES_ZSET, engine_id)
+            scores = pipe.execute()
+        since = time.time() - protocol.HEARTBEAT_TTL_S
+        return {e for e, s in zip(ids, scores, strict=True) if s is not None and s >= since}
+
+    def forget_dead_consumers(self) -> None:
+        """Removes dead engines with nothing pending from the group, so it does not grow."""
+        w = self.worker
+        consumers = self.client.xinfo_consumers(w.stream, protocol.ENGINE_GROUP)
+        idle_ms = w.config.claim_min_idle_s * 1000
+        candidates = {_text(c["name"]) for c in consumers
+                      if not c["pending"] and c["idle"] >= idle_ms} - {w.engine_id}
+        for name in candidates - self.alive(candidates):
+            self.forget_consumer(name)
+
+    def forget_consumer(self, name: str) -> None:
+        w = self.worker
+        pending = self.client.xpending_range(w.stream, protocol.ENGINE_GROUP, min="-",
+                                             max="+", count=1, consumername=name)
+        if not pending:
+            self.client.xgroup_delconsumer(w.stream, protocol.ENGINE_GROUP, name)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

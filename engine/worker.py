@@ -1,0 +1,275 @@
+"""The engine worker: requests in from Redis, engine steps, events out (docs/protocol.md).
+
+Redis I/O only; what runs the model hides behind ``EngineCore``. Each turn of
+the loop: heartbeat (every second) → recover dead engines' requests (now and
+then) → admit new requests → abort cancelled ones → ``engine.step()`` → publish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from engine import protocol
+from engine.events import EventWriter
+from engine.outputs import EngineCore, RequestOutput, Usage
+from engine.recovery import Recovery
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Path], EngineCore]
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    idle_block_ms: int = 150  # XREADGROUP BLOCK while the engine has nothing to do
+    max_waiting: int = 1  # read new requests only while fewer than this wait in the engine
+    recovery_interval_s: float = 5.0
+    # A pending entry is recovered once idle this long and its engine's heartbeat is stale.
+    claim_min_idle_s: float = 3 * protocol.HEARTBEAT_TTL_S
+
+    def __post_init__(self) -> None:
+        if self.idle_block_ms < 1 or self.max_waiting < 1:
+            raise ValueError("idle_block_ms and max_waiting must be >= 1")
+        if self.recovery_interval_s <= 0 or self.claim_min_idle_s < 0:
+            raise ValueError("recovery_interval_s must be > 0 and claim_min_idle_s >= 0")
+
+
+class Worker:
+    def __init__(self, client: redis.Redis, engine: EngineCore, *, model_name: str,
+                 engine_id: str, config: WorkerConfig) -> None:
+        self.client = client
+        self.engine = engine
+        self.model_name = model_name
+        self.engine_id = engine_id
+        self.config = config
+        self.stream = protocol.request_stream(model_name)
+        self.events = EventWriter(client, self.stream)
+        self.recovery = Recovery(self)
+        self.started_at = time.time()
+        self.steps = 0
+        self._next_heartbeat = 0.0
+        self._next_recovery = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("engine %s serving model %s", self.engine_id, self.model_name)
+        self.ensure_group()
+        self.heartbeat()
+        self.recovery.run(own=True)  # what an earlier life of this engine_id left pending
+        self._next_recovery = time.monotonic() + self.config.recovery_interval_s
+        try:
+            while not stop.is_set():
+                try:
+                    self.tick()
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    log.warning("consumer group missing on %s; creating it again", self.stream)
+                    self.ensure_group()
+                except redis.ConnectionError:
+                    log.warning("lost the Redis connection; retrying", exc_info=True)
+                    stop.wait(0.5)
+        finally:
+            self.shutdown()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self.heartbeat()
+        if now >= self._next_recovery:
+            self.recovery.run()
+            self._next_recovery = now + self.config.recovery_interval_s
+        self.admit()
+        self.abort_cancelled()
+        if self.engine.has_unfinished():
+            self.events.publish(self.engine.step())
+            self.steps += 1
+
+    def ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def heartbeat(self) -> None:
+        now = time.time()
+        beat = protocol.EngineHeartbeat(
+            engine_id=self.engine_id, model=self.model_name, started_at=self.started_at,
+            sent_at=now, running=self.engine.num_running(), waiting=self.engine.num_waiting(),
+            stats={"steps": self.steps, "tokens_generated": self.events.tokens_written,
+                   "requests_finished": self.events.finished})
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(protocol.ENGINES_ZSET, {self.engine_id: now})
+            pipe.set(protocol.engine_key(self.engine_id), beat.encode(),
+                     ex=math.ceil(protocol.HEARTBEAT_TTL_S))
+            pipe.execute()
+        self._next_heartbeat = time.monotonic() + protocol.HEARTBEAT_INTERVAL_S
+
+    def admit(self) -> None:
+        """Reads new requests: blocking briefly when idle, not at all while generating."""
+        room = self.config.max_waiting - self.engine.num_waiting()
+        if room <= 0:
+            return
+        block = None if self.engine.has_unfinished() else self.config.idle_block_ms
+        reply = self.client.xreadgroup(protocol.ENGINE_GROUP, self.engine_id,
+                                       {self.stream: ">"}, count=room, block=block)
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                request = self.decode_entry(entry_id, fields)
+                if request is not None:
+                    self.start(entry_id, request)
+
+    def decode_entry(self, entry_id: bytes, fields: Any) -> protocol.EngineRequest | None:
+        """The entry's request, or None after dropping a malformed entry (and saying so)."""
+        try:
+            request = protocol.EngineRequest.decode(fields)
+            if not isinstance(request.request_id, str) or not request.request_id:
+                raise ValueError("request_id must be a non-empty string")
+            return request
+        except Exception:  # noqa: BLE001 - whatever a client wrote, the worker stays up
+            log.warning("dropping malformed request entry %s on %s", entry_id, self.stream)
+        request_id = _request_id_of(fields)
+        if request_id and request_id not in self.events.open:
+            self.events.finish_unstarted(entry_id, request_id, protocol.EV_ERROR, {
+                "code": protocol.ERROR_INVALID_REQUEST, "message": "malformed request entry"})
+        else:
+            self.events.drop(entry_id)
+        return None
+
+    def start(self, entry_id: bytes, request: protocol.EngineRequest) -> None:
+        """Accepts a request into the engine, or finishes it at once (cancelled, late, invalid)."""
+        rid = request.request_id
+        if rid in self.events.open:
+            log.warning("request %s is already running here; dropping entry %s", rid, entry_id)
+            self.events.drop(entry_id)
+            return
+        refusal = None
+        if self.client.exists(protocol.cancel_key(rid)):
+            refusal = protocol.EV_FINISH, {"finish_reason": protocol.FINISH_CANCELLED}
+        elif request.deadline is not None and time.time() >= request.deadline:
+            refusal = protocol.EV_FINISH, {"finish_reason": protocol.FINISH_DEADLINE}
+        elif request.version > protocol.PROTOCOL_VERSION:
+            refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
+                                          "message": f"protocol version {request.version} is "
+                                                     f"newer than this engine's"}
+        elif request.model != self.model_name:
+            refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
+                                          "message": f"this engine serves {self.model_name!r}"}
+        else:
+            try:
+                self.engine.add_request(request)
+            except ValueError as exc:
+                refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
+                                              "message": str(exc)}
+        if refusal is not None:
+            self.events.finish_unstarted(entry_id, rid, *refusal)
+        else:
+            self.events.accept(entry_id, request, self.engine_id)
+
+    def abort_cancelled(self) -> None:
+        """One pipelined EXISTS over the cancel keys of everything this engine holds."""
+        ids = list(self.events.open)
+        if not ids:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for rid in ids:
+                pipe.exists(protocol.cancel_key(rid))
+            flags = pipe.execute()
+        cancelled = [rid for rid, flag in zip(ids, flags, strict=True) if flag]
+        self.events.publish([self._abort(rid, protocol.FINISH_CANCELLED) for rid in cancelled])
+
+    def shutdown(self) -> None:
+        """Fails what is still in the engine, then leaves the set of live engines."""
+        try:
+            outputs = [self._abort(rid, protocol.ERROR_ENGINE_SHUTDOWN)
+                       for rid in list(self.events.open)]
+            for out in outputs:
+                out.error = "the engine shut down before the request finished"
+            self.events.publish(outputs, error_code=protocol.ERROR_ENGINE_SHUTDOWN)
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.zrem(protocol.ENGINES_ZSET, self.engine_id)
+                pipe.delete(protocol.engine_key(self.engine_id))
+                pipe.execute()
+            self.recovery.forget_consumer(self.engine_id)
+        except redis.RedisError:
+            log.warning("could not deregister engine %s cleanly", self.engine_id, exc_info=True)
+        log.info("engine %s stopped", self.engine_id)
+
+    def _abort(self, request_id: str, reason: str) -> RequestOutput:
+        out = self.engine.abort_request(request_id, reason)
+        return out or RequestOutput(request_id, finished=True, finish_reason=reason,
+                                    usage=Usage())
+
+
+def _request_id_of(fields: Any) -> str | None:
+    """The request id of an entry that did not decode, when one can be read safely."""
+    try:
+        value = json.loads(fields.get(b"data", fields.get("data"))).get("request_id")
+    except Exception:  # noqa: BLE001
+        return None
+    return value if isinstance(value, str) and 0 < len(value) <= 200 else None
+
+
+def default_engine_factory(model_dir: Path) -> EngineCore:
+    import torch
+
+    from engine.reference import ReferenceEngine
+
+    return ReferenceEngine(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
+               engine_id: str | None = None, stop: threading.Event | None = None,
+               engine_factory: EngineFactory | None = None,
+               config: WorkerConfig | None = None) -> None:
+    """Serves ``model_name`` from ``model_dir`` until ``stop`` is set."""
+    engine_id = engine_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    engine = (engine_factory or default_engine_factory)(Path(model_dir))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        Worker(client, engine, model_name=model_name, engine_id=engine_id,
+               config=config or WorkerConfig()).run(stop or threading.Event())
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.worker",
+                                     description="Serve one model from a Redis request stream.")
+    parser.add_argument("--redis-url",
+                        default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--model-name", help="the name clients use (default: the folder name)")
+    parser.add_argument("--engine-id", help="default: host-pid-random")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per weight load is noise in a service log
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run_worker(redis_url=args.redis_url, model_dir=args.model_dir,
+               model_name=args.model_name or args.model_dir.name, engine_id=args.engine_id,
+               stop=stop)
+
+
+if __name__ == "__main__":
+    main()

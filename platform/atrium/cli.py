@@ -1,0 +1,280 @@
+"""The `atrium` command: run the platform's processes and manage tenants and keys."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
+    import django
+
+    django.setup()
+
+
+def _home() -> Path:
+    home = Path(os.environ.get("ATRIUM_HOME", Path.home() / ".atrium")).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def cmd_migrate(args: argparse.Namespace) -> None:
+    _django()
+    from django.core.management import call_command
+
+    call_command("migrate", interactive=False, verbosity=args.verbosity)
+
+
+def cmd_create_tenant(args: argparse.Namespace) -> None:
+    _django()
+    from tenants.services import TenantError, tenant_create
+
+    try:
+        tenant = tenant_create(name=args.name, slug=args.slug)
+    except TenantError as exc:
+        sys.exit(f"atrium: {exc}")
+    print(tenant.slug)
+
+
+def cmd_create_key(args: argparse.Namespace) -> None:
+    _django()
+    from tenants.models import Tenant
+    from tenants.services import api_key_create
+
+    tenant = Tenant.objects.filter(slug=args.tenant).first()
+    if tenant is None:
+        sys.exit(f"atrium: no tenant {args.tenant!r}; create it with `atrium create-tenant`")
+    _, plaintext = api_key_create(tenant=tenant, name=args.name)
+    print(plaintext)
+
+
+def cmd_revoke_key(args: argparse.Namespace) -> None:
+    _django()
+    from tenants.models import ApiKey, Tenant
+    from tenants.services import api_key_revoke
+
+    tenant = Tenant.objects.filter(slug=args.tenant).first()
+    key = tenant and ApiKey.objects.for_tenant(tenant).filter(prefix=args.prefix).first()
+    if not key:
+        sys.exit(f"atrium: tenant {args.tenant!r} has no key with prefix {args.prefix!r}")
+    api_key_revoke(tenant=tenant, key_id=key.pk)
+    print(f"revoked {key.prefix}")
+
+
+def cmd_build_demo_model(args: argparse.Namespace) -> None:
+    from engine.demo_model import ensure_demo_model
+
+    print(ensure_demo_model(_home()))
+
+
+def cmd_web(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
+    uvicorn.run("atrium.asgi:application", host=args.host, port=args.port,
+                log_level="info", lifespan="off", ws="websockets-sansio",
+                log_config=None)  # Django's LOGGING: JSON lines through redaction
+
+
+def _model() -> tuple[Path, str]:
+    _django()
+    from atrium.inference.served_models import model_path_and_name
+
+    return model_path_and_name()
+
+
+def cmd_engine(args: argparse.Namespace) -> None:
+    from engine.worker import run_worker
+
+    path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
+        if args.model_dir else _model()
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    run_worker(redis_url=redis_url, model_dir=path, model_name=name, engine_id=args.engine_id)
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    _django()
+    from atrium.celery import app
+
+    argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}"]
+    if not args.no_beat:
+        beat_db = _home() / "celerybeat-schedule"
+        argv += ["--beat", f"--schedule={beat_db}"]
+    app.worker_main(argv)
+
+
+def _wait_http(url: str, timeout: float) -> bool:
+    import urllib.request
+
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+def _wait_engine(model: str, timeout: float) -> bool:
+    from atrium.redis import sync_client
+    from engine import protocol
+
+    client, end = sync_client(), time.time() + timeout
+    while time.time() < end:
+        since = time.time() - protocol.HEARTBEAT_TTL_S
+        for engine_id in client.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf"):
+            raw = client.get(protocol.engine_key(engine_id.decode()))
+            if raw and protocol.EngineHeartbeat.decode(raw).model == model:
+                return True
+        time.sleep(0.3)
+    return False
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    # SIGTERM (a service manager, `kill`) stops everything as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    home = _home()
+    redis_server = None
+    if not os.environ.get("REDIS_URL"):
+        from atrium.embedded_redis import EmbeddedRedis
+
+        redis_server = EmbeddedRedis(home / "redis")
+        os.environ["REDIS_URL"] = redis_server.start()
+        print(f"embedded Redis at {redis_server.url}")
+    if not os.environ.get("ATRIUM_MODEL"):
+        from engine.demo_model import ensure_demo_model
+
+        print("building the demo model (once; cached under ATRIUM_HOME)...", flush=True)
+        os.environ["ATRIUM_MODEL"] = str(ensure_demo_model(home))
+        os.environ.setdefault("ATRIUM_MODEL_NAME", "atrium-demo")
+    _django()
+    from django.core.management import call_command
+
+    from atrium.inference.served_models import model_path_and_name
+    from tenants.services import api_key_create, tenant_get_or_create
+
+    call_command("migrate", interactive=False, verbosity=0)
+    tenant = tenant_get_or_create(name="Demo", slug="demo")
+    _, api_key = api_key_create(tenant=tenant, name=f"atrium up {time.strftime('%Y-%m-%d %H:%M')}")
+    _, model_name = model_path_and_name()
+
+    exe = [sys.executable, "-m", "atrium.cli"]
+    children = [
+        subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port)]),
+        subprocess.Popen(exe + ["engine"]),
+        subprocess.Popen(exe + ["worker", "--concurrency", "1"]),
+    ]
+    base = f"http://{args.host}:{args.port}"
+    try:
+        if not _wait_http(f"{base}/healthz", 60):
+            raise SystemExit("atrium: the web server did not start; see the log above")
+        if not _wait_engine(model_name, 300):
+            raise SystemExit("atrium: the engine did not start; see the log above")
+        print(_banner(base, model_name, api_key), flush=True)
+        while all(c.poll() is None for c in children):
+            time.sleep(0.5)
+        print("atrium: a process exited; stopping the rest", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _banner(base: str, model: str, key: str) -> str:
+    return f"""
+Atrium is up at {base}  (Ctrl-C stops everything)
+API key for tenant 'demo' (shown once): {key}
+
+curl -N {base}/v1/chat/completions \\
+  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
+       "messages": [{{"role": "user", "content": "Tell me about the sea."}}]}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
+for chunk in client.chat.completions.create(
+        model="{model}", stream=True, max_tokens=32,
+        messages=[{{"role": "user", "content": "Tell me about the sea."}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+PY
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atrium", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="web + engine + Celery worker and beat, on embedded defaults")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.set_defaults(func=cmd_up)
+
+    web = sub.add_parser("web", help="the ASGI web server (API, websockets, console)")
+    web.add_argument("--host", default="127.0.0.1")
+    web.add_argument("--port", type=int, default=8000)
+    web.set_defaults(func=cmd_web)
+
+    eng = sub.add_parser("engine", help="one engine worker")
+    eng.add_argument("--model-dir", help="Hugging Face layout directory (default: ATRIUM_MODEL)")
+    eng.add_argument("--model-name")
+    eng.add_argument("--engine-id")
+    eng.set_defaults(func=cmd_engine)
+
+    worker = sub.add_parser("worker", help="Celery worker with beat")
+    worker.add_argument("--concurrency", type=int, default=2)
+    worker.add_argument("--no-beat", action="store_true")
+    worker.set_defaults(func=cmd_worker)
+
+    mig = sub.add_parser("migrate", help="create or update the database tables")
+    mig.add_argument("--verbosity", type=int, default=1)
+    mig.set_defaults(func=cmd_migrate)
+
+    tenant = sub.add_parser("create-tenant", help="create a tenant; prints its slug")
+    tenant.add_argument("name")
+    tenant.add_argument("--slug")
+    tenant.set_defaults(func=cmd_create_tenant)
+
+    key = sub.add_parser("create-key", help="create an API key; prints it once")
+    key.add_argument("tenant", help="tenant slug")
+    key.add_argument("--name", default="cli")
+    key.set_defaults(func=cmd_create_key)
+
+    revoke = sub.add_parser("revoke-key", help="revoke an API key by its visible prefix")
+    revoke.add_argument("tenant", help="tenant slug")
+    revoke.add_argument("prefix")
+    revoke.set_defaults(func=cmd_revoke_key)
+
+    demo = sub.add_parser("build-demo-model", help="build (once) the demo model; prints its path")
+    demo.set_defaults(func=cmd_build_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

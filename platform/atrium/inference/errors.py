@@ -1,0 +1,52 @@
+"""The inference API's errors: the platform's one family (atrium.errors) plus its own."""
+
+from __future__ import annotations
+
+from atrium.errors import (
+    ApiError,
+    AuthenticationFailed,
+    InvalidRequest,
+    PermissionDenied,
+    QuotaExceeded,
+    RateLimited,
+    ServiceUnavailable,
+)
+
+__all__ = [
+    "ApiError", "AuthenticationFailed", "InvalidRequest", "PermissionDenied", "QuotaExceeded",
+    "RateLimited", "ServiceUnavailable", "ModelNotFound", "ContextLengthExceeded",
+    "BodyTooLarge", "NoEngineAvailable", "EngineFailed", "DeadlineExceeded",
+]
+
+
+class ModelNotFound(ApiError):
+    status = 404
+    code = "model_not_found"
+
+
+class ContextLengthExceeded(ApiError):
+    status = 400
+    code = "context_length_exceeded"
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    code = "request_too_large"
+
+
+class NoEngineAvailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "engine_unavailable"
+
+
+class EngineFailed(ApiError):
+    status = 502
+    type = "server_error"
+    code = "engine_error"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    type = "server_error"
+    code = "timeout"

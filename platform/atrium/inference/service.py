@@ -1,0 +1,295 @@
+"""Inference requests from parsed body to OpenAI objects, shared by HTTP and websocket.
+
+`prepare` is synchronous and pure (parse, tokenize, check limits); `admit` takes
+the request's share of its tenant's and key's quotas; `open_dispatch` queues the
+request; `stream_chunks` and `collect` turn engine events into OpenAI chunk
+objects or a whole response, and settle the quotas (`release`) however they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from django.conf import settings
+
+from atrium.inference import admission as quota
+from atrium.inference import params as p
+from atrium.inference.auth import touch_later
+from atrium.inference.dispatch import Dispatch
+from atrium.inference.errors import (
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    EngineFailed,
+    InvalidRequest,
+    ModelNotFound,
+)
+from atrium.inference.served_models import ChatTemplateError, ServedModel, served_models
+from atrium.redis import async_client
+from engine import protocol
+from tenants.facade import Principal
+
+log = logging.getLogger(__name__)
+Kind = Literal["chat", "completion"]
+# Completions default to OpenAI's 16 tokens; chat to what the context window leaves.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class Prepared:
+    kind: Kind
+    response_id: str
+    created: int
+    model: ServedModel
+    params: p.GenerationParams
+    engine_request: protocol.EngineRequest
+    principal: Principal | None = None
+
+
+def cache_salt(*, tenant_id: int, model: str, adapter_hash: str | None) -> str:
+    """Prefix-cache scope: computed here, from server-side facts only."""
+    material = f"tenant={tenant_id}\x00model={model}\x00adapter={adapter_hash or '-'}"
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+def resolve_model(name: str) -> ServedModel:
+    model = served_models().get(name)
+    if model is None:
+        raise ModelNotFound(f"The model '{name}' does not exist or you do not have access "
+                            "to it.", param="model")
+    return model
+
+
+def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
+    parsed = p.parse_chat(body) if kind == "chat" else p.parse_completion(body)
+    params = parsed.params
+    model = resolve_model(params.model)
+    if kind == "chat":
+        try:
+            prompt_ids = model.encode_chat(parsed.messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"messages cannot be rendered: {exc}", param="messages",
+                                 code="invalid_value") from exc
+    elif isinstance(parsed.prompt, str):
+        prompt_ids = model.encode_prompt(parsed.prompt)
+    else:
+        vocab = model.vocab_size()
+        if any(t >= vocab for t in parsed.prompt):
+            raise InvalidRequest(f"token ids in 'prompt' must be below {vocab}",
+                                 param="prompt", code="invalid_value")
+        prompt_ids = list(parsed.prompt)
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt" if kind == "completion"
+                             else "messages", code="invalid_value")
+    window = model.context_window
+    room = window - len(prompt_ids)
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, your "
+            f"prompt has {len(prompt_ids)} tokens.", param=prompt_param)
+    plan_prompt = principal.max_prompt_tokens
+    if plan_prompt is not None and len(prompt_ids) > plan_prompt:
+        raise ContextLengthExceeded(
+            f"Your quota allows prompts of at most {plan_prompt} tokens. However, your "
+            f"prompt has {len(prompt_ids)} tokens.", param=prompt_param)
+    max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
+    who = "This server allows"
+    if principal.max_output_tokens is not None and principal.max_output_tokens < max_output:
+        max_output, who = principal.max_output_tokens, "Your quota allows"
+    field = "max_completion_tokens" if kind == "chat" else "max_tokens"
+    if params.max_tokens is None:
+        default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max_output
+        params.max_tokens = min(default, room, max_output)
+    elif params.max_tokens > max_output:
+        raise InvalidRequest(f"'{field}' is too large: {params.max_tokens}. {who} "
+                             f"at most {max_output} output tokens.", param=field,
+                             code="invalid_value")
+    elif params.max_tokens > room:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, you "
+            f"requested {len(prompt_ids) + params.max_tokens} tokens "
+            f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).",
+            param=field)
+    created = int(time.time())
+    request_id = uuid.uuid4().hex
+    engine_request = protocol.EngineRequest(
+        request_id=request_id,
+        model=model.name,
+        prompt_token_ids=prompt_ids,
+        sampling=protocol.SamplingSpec(
+            max_tokens=params.max_tokens, temperature=params.temperature,
+            top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=params.stop),
+        tenant_id=str(principal.tenant_id),
+        cache_salt=cache_salt(tenant_id=principal.tenant_id, model=model.name,
+                              adapter_hash=None),
+        priority=principal.priority,
+        deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
+    )
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    return Prepared(kind=kind, response_id=prefix + request_id, created=created, model=model,
+                    params=params, engine_request=engine_request, principal=principal)
+
+
+async def admit(prepared: Prepared) -> quota.Admission:
+    """Takes the request's share of its quotas; raises RateLimited / QuotaExceeded (429)."""
+    request = prepared.engine_request
+    admission = await quota.admit(
+        async_client(), principal=prepared.principal, request_id=request.request_id,
+        prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+        lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S)
+    if admission.touch:
+        touch_later(prepared.principal)
+    return admission
+
+
+def used_tokens(prepared: Prepared, dispatch: Dispatch | None) -> int:
+    """Prompt + completion tokens the request consumed, as far as the platform knows."""
+    if dispatch is None:
+        return 0
+    if dispatch.usage is not None:
+        return (int(dispatch.usage.get("prompt_tokens", 0))
+                + int(dispatch.usage.get("completion_tokens", 0)))
+    if dispatch.owner is None:  # never reached an engine
+        return 0
+    return len(prepared.engine_request.prompt_token_ids) + dispatch.completion_tokens
+
+
+async def release(prepared: Prepared, admission: quota.Admission | None,
+                  dispatch: Dispatch | None) -> None:
+    """Settles the admission (once); never raises: a failure leaves the slot to its lease."""
+    if admission is None or admission.settled:
+        return
+    settling = asyncio.ensure_future(quota.settle(
+        async_client(), admission, used_tokens=used_tokens(prepared, dispatch)))
+    try:
+        # NOTE: shielded: a request cancelled by a disconnect still gives its quota back.
+        await asyncio.shield(settling)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001
+        log.warning("could not settle request %s; its slot expires with its lease",
+                    admission.request_id, exc_info=True)
+
+
+async def open_dispatch(prepared: Prepared) -> Dispatch:
+    """Queues the request; raises NoEngineAvailable at once when no engine is alive."""
+    dispatch = Dispatch(async_client(), prepared.engine_request,
+                        deadline=prepared.engine_request.deadline or time.time())
+    await dispatch.submit()
+    return dispatch
+
+
+def _usage(data: dict[str, Any]) -> dict[str, Any]:
+    prompt = int(data.get("prompt_tokens", 0))
+    completion = int(data.get("completion_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(data.get("cached_tokens", 0))},
+    }
+
+
+def _raise_for_final(event: protocol.Event) -> None:
+    if event.type == protocol.EV_ERROR:
+        raise EngineFailed(f"the engine failed this request ({event.data.get('code')})")
+    if event.data.get("finish_reason") == protocol.FINISH_DEADLINE:
+        raise DeadlineExceeded("the request did not finish before its deadline")
+    if event.data.get("finish_reason") == protocol.FINISH_CANCELLED:
+        raise EngineFailed("the request was cancelled on the server")
+
+
+class _ChunkWriter:
+    def __init__(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+        chat = prepared.kind == "chat"
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(self, *, text: str | None = None, role: bool = False,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        if self.prepared.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"text": text or "", "index": 0, "logprobs": None,
+                      "finish_reason": finish_reason}
+        out = {"id": self.prepared.response_id, "object": self.object,
+               "created": self.prepared.created, "model": self.prepared.model.name,
+               "system_fingerprint": None, "choices": [choice]}
+        if self.prepared.params.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.prepared.response_id, "object": self.object,
+                "created": self.prepared.created, "model": self.prepared.model.name,
+                "system_fingerprint": None, "choices": [], "usage": usage}
+
+
+async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
+                        admission: quota.Admission | None = None
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI stream chunks; cancels the engine's work if the consumer goes away."""
+    writer = _ChunkWriter(prepared)
+    try:
+        if prepared.kind == "chat":
+            yield writer.chunk(role=True)
+        async for event in dispatch.events():
+            if event.type == protocol.EV_DELTA and event.data.get("text"):
+                yield writer.chunk(text=event.data["text"])
+            elif event.is_final:
+                _raise_for_final(event)
+                yield writer.chunk(finish_reason=event.data["finish_reason"],
+                                   text="" if prepared.kind == "completion" else None)
+                if prepared.params.include_usage:
+                    yield writer.usage_chunk(_usage(event.data.get("usage") or {}))
+    finally:
+        try:
+            if not dispatch.finished:
+                await dispatch.cancel()
+        finally:
+            await release(prepared, admission, dispatch)
+
+
+async def collect(prepared: Prepared, dispatch: Dispatch,
+                  admission: quota.Admission | None = None) -> dict[str, Any]:
+    """The whole (non-streaming) response object."""
+    parts: list[str] = []
+    try:
+        async for event in dispatch.events():
+            if event.type == protocol.EV_DELTA:
+                parts.append(event.data.get("text", ""))
+            elif event.is_final:
+                _raise_for_final(event)
+                final = event
+    finally:
+        try:
+            if not dispatch.finished:
+                await dispatch.cancel()
+        finally:
+            await release(prepared, admission, dispatch)
+    text = "".join(parts)
+    reason = final.data["finish_reason"]
+    if prepared.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text,
+                                          "refusal": None},
+                  "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": prepared.response_id, "object": obj, "created": prepared.created,
+            "model": prepared.model.name, "system_fingerprint": None, "choices": [choice],
+            "usage": _usage(final.data.get("usage") or {})}

@@ -1,0 +1,121 @@
+"""The OpenAI-compatible HTTP API. Async views: nothing here blocks the event loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import wraps
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from atrium.inference import service
+from atrium.inference.auth import authenticate
+from atrium.inference.errors import ApiError, BodyTooLarge, InvalidRequest
+from atrium.inference.served_models import served_models
+
+View = Callable[..., Awaitable[HttpResponse]]
+
+
+def api_view(method: str) -> Callable[[View], View]:
+    """Method check, OpenAI-shaped errors, no CSRF (the API authenticates by header)."""
+
+    def decorate(view: View) -> View:
+        @csrf_exempt
+        @wraps(view)
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            try:
+                if request.method != method:
+                    raise ApiError(f"method {request.method} is not allowed here; use {method}",
+                                   status=405, code="method_not_allowed")
+                return await view(request, *args, **kwargs)
+            except ApiError as exc:
+                return exc.response()
+
+        return wrapper
+
+    return decorate
+
+
+def _json_body(request: HttpRequest) -> Any:
+    length = int(request.headers.get("Content-Length") or 0)
+    if length > settings.ATRIUM_MAX_BODY_BYTES:
+        raise BodyTooLarge(f"the request body is larger than {settings.ATRIUM_MAX_BODY_BYTES} "
+                           "bytes")
+    try:
+        raw = request.body
+    except Exception as exc:  # RequestDataTooBig and friends
+        raise BodyTooLarge("the request body is too large") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("We could not parse the JSON body of your request. The API "
+                             "expects a JSON payload.", code="invalid_json") from exc
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    except ApiError as exc:
+        # Headers are gone; OpenAI clients raise on a data line carrying "error".
+        yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+        return
+    yield b"data: [DONE]\n\n"
+
+
+async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
+    principal = await authenticate(request.headers.get("Authorization"))
+    # Tokenizing a long prompt is CPU work: keep it off the event loop.
+    prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
+        principal=principal, kind=kind, body=_json_body(request))
+    admission = await service.admit(prepared)
+    headers = {"x-request-id": prepared.response_id, **admission.headers()}
+    try:
+        try:
+            dispatch = await service.open_dispatch(prepared)
+        except BaseException:
+            await service.release(prepared, admission, None)
+            raise
+        if prepared.params.stream:
+            # The stream's own cleanup settles the admission when it ends, however it ends.
+            response = StreamingHttpResponse(
+                _sse(service.stream_chunks(prepared, dispatch, admission)),
+                content_type="text/event-stream", headers=headers)
+            response["Cache-Control"] = "no-cache"
+            response["X-Accel-Buffering"] = "no"
+            return response
+        return JsonResponse(await service.collect(prepared, dispatch, admission),
+                            headers=headers)
+    except ApiError as exc:
+        exc.headers = {**headers, **exc.headers}
+        raise
+
+
+@api_view("POST")
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _run(request, "completion")
+
+
+@api_view("POST")
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _run(request, "chat")
+
+
+@api_view("GET")
+async def models(request: HttpRequest) -> HttpResponse:
+    await authenticate(request.headers.get("Authorization"))
+    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "atrium"}
+            for m in served_models().values()]
+    return JsonResponse({"object": "list", "data": data})
+
+
+@api_view("GET")
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    await authenticate(request.headers.get("Authorization"))
+    m = service.resolve_model(model)
+    return JsonResponse({"id": m.name, "object": "model", "created": m.created,
+                         "owned_by": "atrium"})

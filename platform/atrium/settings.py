@@ -1,0 +1,195 @@
+"""Django settings. The environment is read here and nowhere else.
+
+With nothing configured Atrium runs on embedded defaults: SQLite under
+ATRIUM_HOME, the Redis URL that `atrium up` exports for its embedded server,
+and the demo model the project builds itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent
+ENVIRONMENT = os.environ.get("ATRIUM_ENV", "development")
+PRODUCTION = ENVIRONMENT == "production"
+ATRIUM_HOME = Path(os.environ.get("ATRIUM_HOME", Path.home() / ".atrium")).expanduser()
+
+DEBUG = os.environ.get("ATRIUM_DEBUG", "0" if PRODUCTION else "1") == "1"
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured("ATRIUM_DEBUG=1 is refused when ATRIUM_ENV=production")
+
+SECRET_KEY = os.environ.get("ATRIUM_SECRET_KEY", "")
+if not SECRET_KEY:
+    if PRODUCTION:
+        raise ImproperlyConfigured("ATRIUM_SECRET_KEY is required when ATRIUM_ENV=production")
+    SECRET_KEY = "atrium-development-only-not-secret"
+
+ALLOWED_HOSTS = [h for h in os.environ.get("ATRIUM_ALLOWED_HOSTS", "").split(",") if h]
+if not ALLOWED_HOSTS:
+    if PRODUCTION:
+        raise ImproperlyConfigured("ATRIUM_ALLOWED_HOSTS is required when ATRIUM_ENV=production")
+    ALLOWED_HOSTS = ["localhost", "127.0.0.1", "[::1]", "testserver"]
+
+# Origins a browser may open the inference websocket from (scheme://host[:port]).
+# A request with no Origin header (a non-browser client) is allowed: the socket
+# is authenticated by a header that browsers cannot set cross-site.
+WEBSOCKET_ALLOWED_ORIGINS = [
+    o for o in os.environ.get("ATRIUM_WEBSOCKET_ORIGINS", "").split(",") if o
+]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "rest_framework",
+    "drf_spectacular",
+    "tenants",
+    "billing",
+    "webui",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "atrium.urls"
+ASGI_APPLICATION = "atrium.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+_default_db = f"sqlite:///{ATRIUM_HOME / 'atrium.sqlite3'}"
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL", _default_db), conn_max_age=0, conn_health_checks=True
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Several processes (web, worker, CLI) share the file under `atrium up`.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# `atrium up` starts an embedded Redis and exports its URL before Django loads.
+REDIS_URL = os.environ.get("REDIS_URL", "")
+if not REDIS_URL and PRODUCTION:
+    raise ImproperlyConfigured("REDIS_URL is required when ATRIUM_ENV=production")
+REDIS_URL = REDIS_URL or "redis://127.0.0.1:6379/0"
+
+# The served model: a Hugging Face layout directory. Empty means the demo model.
+ATRIUM_MODEL = os.environ.get("ATRIUM_MODEL", "")
+ATRIUM_MODEL_NAME = os.environ.get("ATRIUM_MODEL_NAME", "")
+# Upper bound on max_tokens per request, whatever the context window allows.
+ATRIUM_MAX_OUTPUT_TOKENS = int(os.environ.get("ATRIUM_MAX_OUTPUT_TOKENS", "4096"))
+# Upper bound on a request body, in bytes.
+ATRIUM_MAX_BODY_BYTES = int(os.environ.get("ATRIUM_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = ATRIUM_MAX_BODY_BYTES
+# Seconds a request may take end to end before it is stopped with 504.
+ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
+
+# API keys and members (docs/tenancy.md).
+# Seconds a key's state stays in the Redis key cache; changes rewrite it at once anyway.
+ATRIUM_KEY_CACHE_TTL_S = int(os.environ.get("ATRIUM_KEY_CACHE_TTL_S", "300"))
+# How long a rotated key keeps working by default, and at most.
+ATRIUM_KEY_ROTATION_GRACE_S = int(os.environ.get("ATRIUM_KEY_ROTATION_GRACE_S", "86400"))
+ATRIUM_KEY_ROTATION_MAX_GRACE_S = 7 * 86400
+# How long an invitation can be accepted.
+ATRIUM_INVITATION_TTL_S = int(os.environ.get("ATRIUM_INVITATION_TTL_S", str(7 * 86400)))
+
+# kombu spells a Redis unix socket redis+socket:///path
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
+    "redis+socket://" + REDIS_URL.removeprefix("unix://").split("?")[0]
+    if REDIS_URL.startswith("unix://") else REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BEAT_SCHEDULE = {
+    "engines-prune": {"task": "atrium.tasks.engines_prune", "schedule": 30.0},
+    "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
+}
+
+# The management API (/api/v1/): a console session (CSRF enforced on unsafe methods) or
+# an API key; permissions are the role × action matrix in tenants/access.py.
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "tenants.apis.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["tenants.apis.authentication.SignedIn"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "EXCEPTION_HANDLER": "atrium.drf.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "atrium.openapi.OperationSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Atrium management API",
+    "DESCRIPTION": "Tenants, members, API keys, quotas and the audit log. The inference "
+                   "API (/v1/) is OpenAI-compatible and documented in docs/api.md.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "ApiKeyStatusEnum": ["active", "rotating", "expired", "revoked"],
+        "InvitationStatusEnum": ["pending", "accepted", "revoked", "expired"],
+    },
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = ATRIUM_HOME / "static"
+
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+if PRODUCTION:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    # Every line is JSON and passes through atrium.redaction (see atrium/jsonlog.py).
+    "formatters": {"json": {"()": "atrium.jsonlog.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("ATRIUM_LOG_LEVEL", "INFO")},
+    # NOTE: django.request logs request paths only; bodies and headers never reach it.
+}

@@ -1,0 +1,23 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.permissions import AllowAny
+
+from atrium.inference import views as inference
+from webui import views as webui
+
+_public = {"authentication_classes": [], "permission_classes": [AllowAny]}
+
+urlpatterns = [
+    path("v1/completions", inference.completions),
+    path("v1/chat/completions", inference.chat_completions),
+    path("v1/models", inference.models),
+    path("v1/models/<str:model>", inference.model_detail),
+    path("api/v1/", include("tenants.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(**_public), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", **_public),
+         name="api-docs"),
+    path("healthz", webui.healthz),
+    path("admin/", admin.site.urls),
+    path("", webui.index, name="index"),
+]

@@ -1,0 +1,23 @@
+"""What other apps may use of tenants: plain dataclasses and functions, never models.
+
+The inference hot path authenticates through `principal_lookup` (cached, async)
+and records key use through `api_key_touch`.
+"""
+
+from __future__ import annotations
+
+from tenants.key_cache import DENIED_MALFORMED, principal_lookup
+from tenants.principals import Limits, Principal
+from tenants.selectors import (
+    DENIED_EXPIRED,
+    DENIED_REVOKED,
+    DENIED_ROTATED,
+    DENIED_UNKNOWN,
+    principal_from_api_key,
+)
+from tenants.services import api_key_touch
+
+__all__ = [
+    "DENIED_EXPIRED", "DENIED_MALFORMED", "DENIED_REVOKED", "DENIED_ROTATED", "DENIED_UNKNOWN",
+    "Limits", "Principal", "api_key_touch", "principal_from_api_key", "principal_lookup",
+]

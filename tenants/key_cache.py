@@ -1,0 +1,100 @@
+"""The API key cache: digest → principal JSON in Redis, shared by every web process.
+
+Reads (the inference hot path) are async: one GET, and on a miss one database
+read off the event loop, stored with SET NX. Writes come from the services that
+change a key, its tenant, plan or quotas: they SET the fresh state (or a
+denial) before their transaction commits, so a revocation is refused by every
+process from that moment on. Because fills use NX and changes overwrite, a
+fill racing with a change can never put the old state back.
+
+Redis unreachable: lookups and changes raise ServiceUnavailable (fail closed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+import redis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from atrium.errors import ServiceUnavailable
+from atrium.redis import async_client, sync_client
+from tenants import keys
+from tenants.principals import Limits, Principal
+
+PREFIX = "atrium:apikey:"
+DENIED_MALFORMED = "malformed"
+# A denial for a digest nobody has: kept briefly, so guessing is cheap to refuse
+# but a fresh key is never held back for long.
+UNKNOWN_TTL_S = 10
+
+
+def cache_key(digest: str) -> str:
+    return PREFIX + digest
+
+
+def _ttl(principal: Principal) -> int:
+    ttl = settings.ATRIUM_KEY_CACHE_TTL_S
+    if principal.expires_at is not None:
+        ttl = min(ttl, principal.expires_at - time.time())
+    return max(1, int(ttl))
+
+
+def _entry(state: Principal | str) -> tuple[str, int]:
+    if isinstance(state, Principal):
+        return state.encode(), _ttl(state)
+    ttl = UNKNOWN_TTL_S if state == "unknown" else settings.ATRIUM_KEY_CACHE_TTL_S
+    return json.dumps({"denied": state}), ttl
+
+
+def _decode(raw: bytes) -> Principal | str:
+    data = json.loads(raw)
+    if "denied" in data:
+        return data["denied"]
+    return Principal.decode(data)
+
+
+def key_cache_store(*, states: Iterable[tuple[str, Principal | str]]) -> None:
+    """Overwrites the entries for (digest, state) pairs; raises ServiceUnavailable."""
+    pairs = list(states)
+    if not pairs:
+        return
+    try:
+        with sync_client().pipeline(transaction=False) as pipe:
+            for digest, state in pairs:
+                value, ttl = _entry(state)
+                pipe.set(cache_key(digest), value, ex=ttl)
+            pipe.execute()
+    except redis.RedisError as exc:
+        raise ServiceUnavailable("the key cache cannot be reached; nothing was changed, "
+                                 "retry shortly") from exc
+
+
+async def principal_lookup(*, plaintext: str) -> Principal | str:
+    """The principal of an active key, or why it is refused (a DENIED_* string)."""
+    from tenants.selectors import DENIED_EXPIRED, DENIED_ROTATED, key_state_by_digest
+
+    if not keys.is_well_formed(plaintext):
+        return DENIED_MALFORMED
+    digest = keys.digest(plaintext)
+    client = async_client()
+    try:
+        raw = await client.get(cache_key(digest))
+        if raw is None:
+            state = await sync_to_async(key_state_by_digest)(digest=digest)
+            value, ttl = _entry(state)
+            await client.set(cache_key(digest), value, ex=ttl, nx=True)
+        else:
+            state = _decode(raw)
+    except redis.RedisError as exc:
+        raise ServiceUnavailable("authentication is unavailable right now; retry shortly"
+                                 ) from exc
+    if isinstance(state, Principal) and state.expired():
+        return DENIED_ROTATED if state.rotated else DENIED_EXPIRED
+    return state
+
+
+__all__ = ["Limits", "Principal", "key_cache_store", "principal_lookup", "cache_key"]

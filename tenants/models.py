@@ -1,0 +1,186 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class Role(models.TextChoices):
+    """A person's role in one tenant (docs/tenancy.md has the role × action matrix)."""
+
+    OWNER = "owner"
+    ADMIN = "admin"
+    DEVELOPER = "developer"
+    BILLING = "billing"
+    VIEWER = "viewer"
+
+
+class Scope(models.TextChoices):
+    """What an API key may be used for."""
+
+    INFERENCE = "inference"
+    ADAPTERS = "adapters"
+    USAGE = "usage"
+    BILLING = "billing"
+    ADMIN = "admin"
+
+
+class TenantOwnedQuerySet(models.QuerySet):
+    def for_tenant(self, tenant: Tenant) -> TenantOwnedQuerySet:
+        # NOTE: fails closed: no tenant is an error, never "every tenant".
+        if tenant is None or tenant.pk is None:
+            raise ValueError("a saved tenant is required")
+        return self.filter(tenant_id=tenant.pk)
+
+
+class Plan(models.Model):
+    """What a tenant bought: default limits and the scheduling priority class."""
+
+    slug = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    # Travels with every request to the engine's scheduler; lower runs first.
+    priority = models.SmallIntegerField(default=5)
+    requests_per_minute = models.PositiveIntegerField()
+    tokens_per_minute = models.PositiveIntegerField()
+    max_concurrent_requests = models.PositiveIntegerField()
+    # Null: no limit beyond the model's context window / the server's output limit.
+    max_prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    max_output_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # Null: no monthly cap. Prompt + completion tokens per UTC calendar month.
+    monthly_token_cap = models.PositiveBigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Tenant(models.Model):
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=64, unique=True)
+    plan = models.ForeignKey(Plan, on_delete=models.PROTECT, related_name="tenants")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Membership(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                             related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "user"],
+                                               name="one_membership_per_user_and_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant} as {self.role}"
+
+
+class Invitation(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
+    email = models.EmailField()
+    role = models.CharField(max_length=16, choices=Role.choices)
+    # NOTE: the token is shown once; only its SHA-256 digest is stored.
+    digest = models.CharField(max_length=64, unique=True)
+    invited_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL,
+                                   null=True, blank=True, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL,
+                                    null=True, blank=True, related_name="+")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"invitation of {self.email} to {self.tenant}"
+
+
+class ApiKey(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=200)
+    prefix = models.CharField(max_length=16, db_index=True)
+    # NOTE: the plaintext is never stored; only its SHA-256 digest.
+    digest = models.CharField(max_length=64, unique=True)
+    scopes = models.JSONField(default=list)
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL,
+                                   null=True, blank=True, related_name="+")
+    expires_at = models.DateTimeField(null=True, blank=True)
+    # Written at most once a minute per key, off the request path.
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    # Set when the key was rotated; the old key then works until its expires_at.
+    replaced_by = models.OneToOneField("self", on_delete=models.SET_NULL, null=True,
+                                       blank=True, related_name="replaces")
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name})"
+
+
+class QuotaOverride(models.Model):
+    """Limits that replace the plan's for a tenant, or add a narrower bucket for one key.
+
+    A null field inherits (tenant level) or adds no key-level limit (key level).
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quota_overrides")
+    api_key = models.OneToOneField(ApiKey, on_delete=models.CASCADE, null=True, blank=True,
+                                   related_name="quota_override")
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    max_prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    max_output_tokens = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_cap = models.PositiveBigIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant"],
+                                               condition=Q(api_key__isnull=True),
+                                               name="one_tenant_level_quota_override")]
+
+    def __str__(self) -> str:
+        return f"limits of {self.api_key or self.tenant}"
+
+
+QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
+                "max_prompt_tokens", "max_output_tokens", "monthly_token_cap")
+
+
+class AuditEvent(models.Model):
+    """Who changed what, when, from what to what. Written in the change's transaction."""
+
+    # Null for platform-level changes (plans), which only operators read.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, null=True, blank=True,
+                               related_name="audit_events")
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor_user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL,
+                                   null=True, blank=True, related_name="+")
+    actor_key_prefix = models.CharField(max_length=16, blank=True)
+    # "user:<email>", "key:<prefix>" or "system" (operator commands).
+    actor = models.CharField(max_length=300)
+    action = models.CharField(max_length=64)
+    target_type = models.CharField(max_length=32)
+    target_id = models.CharField(max_length=64)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action}"

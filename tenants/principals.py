@@ -1,0 +1,72 @@
+"""What other apps see of an API key and its tenant: plain dataclasses, never models.
+
+A Principal is also what the key cache holds (as JSON), so everything the
+inference hot path needs (scopes, expiry, priority, limits) is in it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """One level's limits; None is "no limit at this level"."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    monthly_token_cap: int | None = None
+
+
+def _smallest(*values: int | None) -> int | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request acts for: an active API key of a tenant."""
+
+    tenant_id: int
+    tenant_slug: str
+    api_key_id: int
+    api_key_prefix: str
+    scopes: tuple[str, ...] = ("inference",)
+    expires_at: float | None = None  # unix seconds
+    rotated: bool = False  # replaced by a new key; works until expires_at (the grace period)
+    priority: int = 5  # the plan's priority class; lower runs first
+    tenant_limits: Limits = field(default_factory=Limits)
+    key_limits: Limits = field(default_factory=Limits)
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (now or time.time()) >= self.expires_at
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        return _smallest(self.tenant_limits.max_prompt_tokens, self.key_limits.max_prompt_tokens)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return _smallest(self.tenant_limits.max_output_tokens, self.key_limits.max_output_tokens)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: str | bytes | dict[str, Any]) -> Principal:
+        data = json.loads(raw) if isinstance(raw, str | bytes) else dict(raw)
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        data["scopes"] = tuple(data.get("scopes", ()))
+        for level in ("tenant_limits", "key_limits"):
+            data[level] = Limits(**data.get(level) or {})
+        return cls(**data)

@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from engine import demo_model
+from engine.demo_model import BOS, build_model, ensure_demo_model
+
+FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+         "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_two_builds_with_one_seed_are_byte_identical(tiny_model_dir: Path, tmp_path: Path):
+    again = build_model(tmp_path / "again", size="tiny", seed=0)
+    for name in FILES:
+        assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
+def test_another_seed_gives_other_weights(tiny_model_dir: Path, tmp_path: Path):
+    other = build_model(tmp_path / "other", size="tiny", seed=1)
+    assert (other / "model.safetensors").read_bytes() != \
+        (tiny_model_dir / "model.safetensors").read_bytes()
+
+
+def test_config_is_a_float32_llama_with_gqa_and_untied_embeddings(tiny_model_dir: Path):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["torch_dtype"] == "float32"
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    assert config["tie_word_embeddings"] is False
+    assert config["max_position_embeddings"] == 2048
+
+
+def test_checkpoint_loads_with_transformers_auto_classes(tiny_model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.vocab_size == len(tok)
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert tok.bos_token == BOS and tok.eos_token == demo_model.EOS
+    assert tok("hello world")["input_ids"][0] == tok.bos_token_id
+
+
+def test_vocab_is_between_one_and_two_thousand(tokenizer: Tokenizer):
+    assert 1000 <= tokenizer.get_vocab_size() <= 2000
+    for special in demo_model.SPECIAL_TOKENS:
+        assert tokenizer.token_to_id(special) is not None
+
+
+def test_chat_template_renders_through_apply_chat_template(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hello there"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|begin_of_text|><|system|>\nBe brief.<|end|>\n"
+                    "<|user|>\nHello there<|end|>\n<|assistant|>\n")
+    without = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert not without.endswith("<|assistant|>\n")
+
+
+def test_transformers_and_tokenizers_agree_on_ids(tiny_model_dir: Path, tokenizer: Tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "The old sailor finds 3 boats. Ünïcödé 🦊"
+    assert tok(text)["input_ids"] == tokenizer.encode(text).ids
+    messages = [{"role": "user", "content": text}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert ids == tokenizer.encode(rendered, add_special_tokens=False).ids
+
+
+def test_chat_template_rejects_unknown_roles(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(Exception, match="roles must be"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_special_tokens_in_chat_text_encode_as_single_ids(tokenizer: Tokenizer):
+    ids = tokenizer.encode("<|user|>\nhi<|end|>", add_special_tokens=False).ids
+    assert ids[0] == tokenizer.token_to_id("<|user|>")
+    assert ids[-1] == tokenizer.token_to_id("<|end|>")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8")))
+def test_any_unicode_text_round_trips_through_the_tokenizer(tokenizer: Tokenizer, text: str):
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_encoding_with_special_tokens_prepends_bos_once(tokenizer: Tokenizer):
+    ids = tokenizer.encode("The sea is calm.").ids
+    assert ids[0] == tokenizer.token_to_id(BOS)
+    assert ids.count(tokenizer.token_to_id(BOS)) == 1
+
+
+@pytest.fixture
+def tiny_demo(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Makes the demo size tiny (fast) and records every build_model call."""
+    monkeypatch.setitem(demo_model.SIZES, "demo", demo_model.SIZES["tiny"])
+    calls: list[Path] = []
+    real = demo_model.build_model
+
+    def spy(out_dir: Path, **kwargs) -> Path:
+        calls.append(out_dir)
+        return real(out_dir, **kwargs)
+
+    monkeypatch.setattr(demo_model, "build_model", spy)
+    return calls
+
+
+def test_ensure_demo_model_builds_once_then_reuses_the_cache(tiny_demo, tmp_path: Path):
+    first = ensure_demo_model(tmp_path)
+    second = ensure_demo_model(tmp_path)
+    assert first == second and len(tiny_demo) == 1
+    assert first.parent == tmp_path / "models" and first.name.startswith("atrium-demo-")
+    assert all((first / name).exists() for name in FILES)
+    assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+def test_ensure_demo_model_defaults_to_atrium_home(tiny_demo, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("ATRIUM_HOME", str(tmp_path / "home"))
+    assert ensure_demo_model().parent == tmp_path / "home" / "models"
+
+
+def test_a_crashed_build_leaves_no_half_model(tiny_demo, tmp_path: Path, monkeypatch):
+    def crash(out_dir: Path, **kwargs) -> Path:
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(demo_model, "build_model", crash)
+    with pytest.raises(RuntimeError):
+        ensure_demo_model(tmp_path)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_racing_builds_agree_on_one_model(tiny_demo, tmp_path: Path):
+    results: list[Path] = []
+    barrier = threading.Barrier(2)
+
+    def build() -> None:
+        barrier.wait()
+        results.append(ensure_demo_model(tmp_path))
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2 and results[0] == results[1]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [results[0].name]
+
+
+def test_cli_builds_into_the_given_folder(tmp_path: Path, capsys):
+    demo_model.main([str(tmp_path / "cli"), "--size", "tiny", "--seed", "3"])
+    assert (tmp_path / "cli" / "model.safetensors").exists()
+    assert "built tiny model" in capsys.readouterr().out

@@ -1,0 +1,236 @@
+"""The worker against a real Redis, running in a thread with a stop Event."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+from engine_testing import make_request, read_events, submit
+from tokenizers import Tokenizer
+
+from engine import protocol
+from engine.worker import WorkerConfig
+
+PROMPT = [0, 11, 12, 13, 14]
+LONG = dict(max_tokens=1900, ignore_eos=True)  # runs for seconds unless something stops it
+
+
+def assert_queue_empty(client: redis.Redis, model: str = "tiny") -> None:
+    stream = protocol.request_stream(model)
+    assert client.xlen(stream) == 0
+    assert client.xpending(stream, protocol.ENGINE_GROUP)["pending"] == 0
+
+
+def test_request_gets_accepted_deltas_and_a_finish_with_usage(
+        start_worker, redis_client, tokenizer: Tokenizer):
+    start_worker()
+    request = make_request(PROMPT, max_tokens=12, ignore_eos=True)
+    submit(redis_client, request)
+    events = read_events(redis_client, request.request_id)
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[0].type == protocol.EV_ACCEPTED
+    assert events[0].data == {"engine_id": "engine-a"}
+    deltas = [e for e in events if e.type == protocol.EV_DELTA]
+    token_ids = [t for e in deltas for t in e.data["token_ids"]]
+    assert "".join(e.data["text"] for e in deltas) == tokenizer.decode(token_ids)
+    final = events[-1]
+    assert final.type == protocol.EV_FINISH and final.data["finish_reason"] == "length"
+    assert final.data["usage"]["completion_tokens"] == len(token_ids) == 12
+    assert final.data["usage"]["prompt_tokens"] == len(PROMPT)
+    assert redis_client.ttl(protocol.events_stream(request.request_id)) > 0
+    assert_queue_empty(redis_client)
+
+
+def test_cancel_key_mid_generation_finishes_cancelled_within_a_few_tokens(
+        start_worker, redis_client):
+    start_worker()
+    request = make_request(PROMPT, **LONG)
+    submit(redis_client, request)
+    read_events(redis_client, request.request_id, until=lambda e: e.type == protocol.EV_DELTA)
+    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    final = read_events(redis_client, request.request_id)[-1]
+    assert final.type == protocol.EV_FINISH and final.data["finish_reason"] == "cancelled"
+    assert final.data["usage"]["completion_tokens"] < LONG["max_tokens"] // 10
+    assert_queue_empty(redis_client)
+
+
+def test_request_cancelled_before_it_is_read_never_starts(start_worker, redis_client):
+    request = make_request(PROMPT, **LONG)
+    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    submit(redis_client, request)
+    start_worker()
+    events = read_events(redis_client, request.request_id)
+    assert [(e.seq, e.type) for e in events] == [(0, protocol.EV_FINISH)]
+    assert events[0].data["finish_reason"] == "cancelled"
+    assert events[0].data["usage"]["completion_tokens"] == 0
+    assert_queue_empty(redis_client)
+
+
+def test_deadline_mid_generation_finishes_with_deadline(start_worker, redis_client):
+    start_worker()
+    request = make_request(PROMPT, deadline=time.time() + 0.5, **LONG)
+    submit(redis_client, request)
+    final = read_events(redis_client, request.request_id)[-1]
+    assert final.data["finish_reason"] == "deadline"
+    assert 0 < final.data["usage"]["completion_tokens"] < LONG["max_tokens"]
+    assert_queue_empty(redis_client)
+
+
+def test_request_past_its_deadline_on_arrival_is_not_run(start_worker, redis_client):
+    start_worker()
+    request = make_request(PROMPT, deadline=time.time() - 1, **LONG)
+    submit(redis_client, request)
+    events = read_events(redis_client, request.request_id)
+    assert [(e.seq, e.type, e.data["finish_reason"]) for e in events] == [
+        (0, protocol.EV_FINISH, "deadline")]
+
+
+def test_malformed_entries_are_dropped_and_the_worker_keeps_serving(start_worker, redis_client):
+    worker = start_worker()
+    stream = protocol.request_stream("tiny")
+    redis_client.xadd(stream, {"data": "not json"})
+    redis_client.xadd(stream, {"other": "field"})
+    redis_client.xadd(stream, {"data": json.dumps({"request_id": "half", "model": "tiny"})})
+    request = make_request(PROMPT, max_tokens=3)
+    submit(redis_client, request)
+    assert read_events(redis_client, request.request_id)[-1].type == protocol.EV_FINISH
+    half = read_events(redis_client, "half")
+    assert [(e.seq, e.type, e.data["code"]) for e in half] == [
+        (0, protocol.EV_ERROR, "invalid_request")]
+    assert worker.thread.is_alive()
+    assert_queue_empty(redis_client)
+
+
+def test_a_request_the_engine_refuses_gets_an_invalid_request_error(start_worker, redis_client):
+    start_worker()
+    request = make_request([0] * 5000, max_tokens=3)
+    submit(redis_client, request)
+    events = read_events(redis_client, request.request_id)
+    assert [(e.seq, e.type, e.data["code"]) for e in events] == [
+        (0, protocol.EV_ERROR, "invalid_request")]
+    assert_queue_empty(redis_client)
+
+
+def test_an_engine_error_fails_that_request_only(start_worker, redis_client,
+                                                 reference_engine_factory):
+    def factory(model_dir):
+        engine = reference_engine_factory()
+        real = engine._advance
+
+        def advance(active):
+            if active.request.request_id == "bad":
+                raise RuntimeError("simulated failure")
+            return real(active)
+
+        engine._advance = advance
+        return engine
+
+    start_worker(engine_factory=factory)
+    bad, good = make_request(PROMPT, request_id="bad"), make_request(PROMPT, max_tokens=3)
+    submit(redis_client, bad)
+    submit(redis_client, good)
+    failed = read_events(redis_client, "bad")[-1]
+    assert failed.type == protocol.EV_ERROR and failed.data["code"] == "engine_error"
+    assert "usage" in failed.data
+    assert read_events(redis_client, good.request_id)[-1].type == protocol.EV_FINISH
+    assert_queue_empty(redis_client)
+
+
+def test_heartbeat_is_present_while_running_and_removed_on_stop(start_worker, redis_client):
+    worker = start_worker()
+    beat = protocol.EngineHeartbeat.decode(redis_client.get(protocol.engine_key("engine-a")))
+    assert beat.engine_id == "engine-a" and beat.model == "tiny"
+    assert abs(redis_client.zscore(protocol.ENGINES_ZSET, "engine-a") - time.time()) < 5
+    assert 0 < redis_client.ttl(protocol.engine_key("engine-a")) <= protocol.HEARTBEAT_TTL_S
+    worker.shutdown()
+    assert redis_client.zscore(protocol.ENGINES_ZSET, "engine-a") is None
+    assert not redis_client.exists(protocol.engine_key("engine-a"))
+
+
+def test_heartbeat_reports_running_requests(start_worker, redis_client):
+    start_worker()
+    request = make_request(PROMPT, **LONG)
+    submit(redis_client, request)
+    read_events(redis_client, request.request_id, until=lambda e: e.type == protocol.EV_DELTA)
+    time.sleep(protocol.HEARTBEAT_INTERVAL_S * 1.5)
+    beat = protocol.EngineHeartbeat.decode(redis_client.get(protocol.engine_key("engine-a")))
+    assert beat.running == 1 and beat.stats["tokens_generated"] > 0
+    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    read_events(redis_client, request.request_id)
+
+
+def test_stopping_mid_request_ends_it_with_an_engine_shutdown_error(start_worker, redis_client):
+    worker = start_worker()
+    request = make_request(PROMPT, **LONG)
+    submit(redis_client, request)
+    read_events(redis_client, request.request_id, until=lambda e: e.type == protocol.EV_DELTA)
+    worker.shutdown()
+    final = read_events(redis_client, request.request_id)[-1]
+    assert final.type == protocol.EV_ERROR and final.data["code"] == "engine_shutdown"
+    assert final.data["usage"]["completion_tokens"] > 0
+    assert_queue_empty(redis_client)
+
+
+def _left_by_dead_engine(client: redis.Redis, request: protocol.EngineRequest) -> None:
+    """Queues the request and has engine "dead" read it, with no heartbeat ever."""
+    stream = protocol.request_stream("tiny")
+    client.xgroup_create(stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
+    submit(client, request)
+    client.xreadgroup(protocol.ENGINE_GROUP, "dead", {stream: ">"}, count=1)
+
+
+RECOVER_FAST = WorkerConfig(idle_block_ms=20, recovery_interval_s=0.1, claim_min_idle_s=0.05)
+
+
+def test_accepted_request_of_a_dead_engine_gets_engine_lost(start_worker, redis_client):
+    request = make_request(PROMPT, max_tokens=5)
+    _left_by_dead_engine(redis_client, request)
+    events = protocol.events_stream(request.request_id)
+    redis_client.xadd(events, protocol.Event(0, protocol.EV_ACCEPTED,
+                                             {"engine_id": "dead"}).encode())
+    redis_client.xadd(events, protocol.Event(1, protocol.EV_DELTA,
+                                             {"text": "ab", "token_ids": [7, 8]}).encode())
+    start_worker(config=RECOVER_FAST)
+    got = read_events(redis_client, request.request_id)
+    assert [(e.seq, e.type) for e in got][-1] == (2, protocol.EV_ERROR)
+    assert got[-1].data["code"] == "engine_lost"
+    assert got[-1].data["usage"]["completion_tokens"] == 2
+    assert_queue_empty(redis_client)
+
+
+def test_unaccepted_request_of_a_dead_engine_is_run(start_worker, redis_client):
+    request = make_request(PROMPT, max_tokens=4, ignore_eos=True)
+    _left_by_dead_engine(redis_client, request)
+    start_worker(config=RECOVER_FAST)
+    events = read_events(redis_client, request.request_id)
+    assert events[0].type == protocol.EV_ACCEPTED and events[0].data["engine_id"] == "engine-a"
+    assert events[-1].data["finish_reason"] == "length"
+    assert events[-1].data["usage"]["completion_tokens"] == 4
+    assert_queue_empty(redis_client)
+
+
+def test_requests_of_a_live_engine_are_left_alone(start_worker, redis_client):
+    request = make_request(PROMPT, max_tokens=4)
+    _left_by_dead_engine(redis_client, request)
+    redis_client.zadd(protocol.ENGINES_ZSET, {"dead": time.time() + 60})  # alive after all
+    start_worker(config=RECOVER_FAST)
+    time.sleep(0.5)
+    assert not redis_client.exists(protocol.events_stream(request.request_id))
+    pending = redis_client.xpending_range(protocol.request_stream("tiny"),
+                                          protocol.ENGINE_GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"dead"]
+
+
+def test_restart_under_the_same_engine_id_settles_its_own_leftovers(start_worker, redis_client):
+    request = make_request(PROMPT, max_tokens=4)
+    stream = protocol.request_stream("tiny")
+    redis_client.xgroup_create(stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
+    submit(redis_client, request)
+    redis_client.xreadgroup(protocol.ENGINE_GROUP, "engine-a", {stream: ">"}, count=1)
+    redis_client.xadd(protocol.events_stream(request.request_id),
+                      protocol.Event(0, protocol.EV_ACCEPTED, {"engine_id": "engine-a"}).encode())
+    start_worker()  # default config: recovery of others only after 15 s
+    final = read_events(redis_client, request.request_id, timeout=5)[-1]
+    assert (final.seq, final.data["code"]) == (1, "engine_lost")
+    assert_queue_empty(redis_client)

@@ -1,0 +1,191 @@
+"""Cancellation, disconnects, deadlines and dead engines, observed on the engine's side."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from django.conf import settings
+
+from engine import protocol
+from tests.platform.conftest import start_engine
+from tests.platform.slow_engine import slow_factory
+
+MAX_TOKENS = 400
+
+
+@pytest.fixture
+def slow_engine(served_model, tiny_model_path, redis_client):
+    running = start_engine(tiny_model_path, served_model, "slow-engine",
+                           engine_factory=slow_factory(0.03))
+    yield running
+    running.stop.set()
+    running.thread.join(timeout=30)
+
+
+def _engine_final_event(redis_client, request_id: str, timeout: float = 10) -> protocol.Event:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for _, fields in redis_client.xrange(protocol.events_stream(request_id)):
+            event = protocol.Event.decode(fields)
+            if event.is_final:
+                return event
+        time.sleep(0.05)
+    raise AssertionError("the engine never finished the request")
+
+
+def test_client_disconnect_stops_the_engine_within_a_few_tokens(
+        api_server, tenant_key, served_model, slow_engine, redis_client):
+    received = 0
+    with httpx.stream("POST", f"{api_server}/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {tenant_key.key}"},
+                      json={"model": served_model, "stream": True, "max_tokens": MAX_TOKENS,
+                            "messages": [{"role": "user", "content": "Go on and on"}]}) as r:
+        assert r.status_code == 200
+        request_id = r.headers["x-request-id"].removeprefix("chatcmpl-")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                received += bool(delta.get("content"))
+            if received >= 3:
+                break
+    final = _engine_final_event(redis_client, request_id)
+    assert final.data["finish_reason"] == protocol.FINISH_CANCELLED
+    generated = final.data["usage"]["completion_tokens"]
+    assert received <= generated <= received + 10, generated
+
+
+def test_websocket_runs_two_requests_and_cancels_one(
+        api_server, tenant_key, served_model, slow_engine, redis_client):
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    body = {"model": served_model, "messages": [{"role": "user", "content": "Hi"}]}
+    with connect(url, additional_headers={"Authorization": f"Bearer {tenant_key.key}"},
+                 open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "request", "id": "a", "endpoint": "chat.completions",
+                            "body": {**body, "max_tokens": 6}}))
+        ws.send(json.dumps({"type": "request", "id": "b", "endpoint": "chat.completions",
+                            "body": {**body, "max_tokens": MAX_TOKENS}}))
+        seen: dict[str, list[dict]] = {"a": [], "b": []}
+        ends: dict[str, str] = {}
+        b_request_id = None
+        while len(ends) < 2:
+            message = json.loads(ws.recv(timeout=30))
+            cid = message["id"]
+            if message["type"] == "chunk":
+                seen[cid].append(message["data"])
+                if cid == "b":
+                    b_request_id = message["data"]["id"].removeprefix("chatcmpl-")
+                    if len(seen["b"]) == 3:
+                        ws.send(json.dumps({"type": "cancel", "id": "b"}))
+            else:
+                ends[cid] = message["type"]
+    assert ends == {"a": "done", "b": "cancelled"}
+    assert seen["a"][-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" for c in seen["a"] + seen["b"])
+    final = _engine_final_event(redis_client, b_request_id)
+    assert final.data["finish_reason"] == protocol.FINISH_CANCELLED
+    assert final.data["usage"]["completion_tokens"] < 20
+
+
+def test_websocket_refuses_a_bad_key_with_an_error(api_server, served_model):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, additional_headers={"Authorization": "Bearer nope"}) as ws:
+        message = json.loads(ws.recv(timeout=10))
+        assert message["type"] == "error" and message["status"] == 401
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+    assert ws.close_code == 4401
+
+
+def test_websocket_refuses_a_foreign_origin(api_server, tenant_key):
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    with pytest.raises(InvalidStatus) as err:
+        connect(url, origin="https://evil.example",
+                additional_headers={"Authorization": f"Bearer {tenant_key.key}"})
+    assert err.value.response.status_code == 403
+
+
+def test_websocket_reports_bad_requests_per_id(api_server, tenant_key, served_model,
+                                               engine_worker):
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, additional_headers={"Authorization": f"Bearer {tenant_key.key}"}) as ws:
+        ws.send("not json")
+        assert json.loads(ws.recv(timeout=10))["error"]["code"] == "invalid_json"
+        ws.send(json.dumps({"type": "request", "id": "x", "endpoint": "chat.completions",
+                            "body": {"model": "nope", "messages": []}}))
+        message = json.loads(ws.recv(timeout=10))
+        assert (message["id"], message["status"]) == ("x", 400)
+
+
+def test_deadline_gives_504_and_stops_the_engine(api_server, tenant_key, served_model,
+                                                 slow_engine, redis_client, settings):
+    settings.ATRIUM_REQUEST_TIMEOUT_S = 1.0
+    client = openai.OpenAI(base_url=f"{api_server}/v1", api_key=tenant_key.key, max_retries=0)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=served_model, prompt="slow", max_tokens=MAX_TOKENS)
+    assert err.value.status_code == 504
+    assert err.value.body["code"] == "timeout"
+    assert time.monotonic() - started < 5
+    time.sleep(0.5)
+    assert redis_client.xlen(protocol.request_stream(served_model)) == 0
+
+
+def test_deadline_mid_stream_ends_the_stream_with_an_error(api_server, tenant_key,
+                                                           served_model, slow_engine, settings):
+    settings.ATRIUM_REQUEST_TIMEOUT_S = 1.0
+    client = openai.OpenAI(base_url=f"{api_server}/v1", api_key=tenant_key.key, max_retries=0)
+    stream = client.completions.create(model=served_model, prompt="slow", stream=True,
+                                       max_tokens=MAX_TOKENS)
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            pass
+    assert "deadline" in str(err.value)
+
+
+def test_engine_killed_mid_request_does_not_leave_the_client_hanging(
+        api_server, tenant_key, served_model, tiny_model_path, redis_client):
+    env = {**os.environ, "REDIS_URL": settings.REDIS_URL}
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "engine.worker", "--redis-url", settings.REDIS_URL,
+         "--model-dir", str(tiny_model_path), "--model-name", served_model,
+         "--engine-id", "doomed"], env=env)
+    try:
+        deadline = time.time() + 60
+        while redis_client.zscore(protocol.ENGINES_ZSET, "doomed") is None:
+            assert time.time() < deadline and engine.poll() is None
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{api_server}/v1", api_key=tenant_key.key,
+                               max_retries=0, timeout=60)
+        stream = client.completions.create(model=served_model, prompt="The end", stream=True,
+                                           max_tokens=1500)
+        started = None
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                if started is None:
+                    engine.send_signal(signal.SIGKILL)
+                    started = time.monotonic()
+        assert started is not None, "the engine finished before it could be killed"
+        assert "stopped responding" in str(err.value)
+        assert time.monotonic() - started < protocol.HEARTBEAT_TTL_S + 3
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+        engine.wait()
