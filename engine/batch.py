@@ -24,9 +24,16 @@ class ScheduledRequest:
     # True when this step reaches the end of the known tokens: sample one new token.
     sample: bool
     sampling: SamplingParams
-    # Output tokens generated so far (the sampler's seeded stream continues from here).
+    seed: int = 0  # with num_output_tokens, picks the random stream of this sample
+    # Output tokens generated so far: the n-th sample of a request draws from a stream
+    # keyed by (seed, n), so a recomputed or re-batched request samples the same.
     num_output_tokens: int = 0
     adapter_slot: int = -1  # LoRA slot; -1: the base model
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token after a computed context: a decode (or a 1-token prompt tail)."""
+        return len(self.token_ids) == 1
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
+    # Requests held waiting in the engine at most; the rest stay in the Redis stream for
+    # other engines. The scheduler is fair across tenants among those it holds.
+    max_waiting: int = 256
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
@@ -34,9 +38,20 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_bytes < 1 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("kv_cache_bytes must be > 0 and gpu_memory_utilization in (0, 1]")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_waiting < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover "
                              "max_model_len")
+
+
+def eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                return frozenset([value] if isinstance(value, int) else value)
+    return frozenset()

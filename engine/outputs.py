@@ -55,4 +55,7 @@ class EngineCore(Protocol):
 
     def num_waiting(self) -> int: ...
 
+    def room(self) -> int:
+        """How many more requests the worker may read from Redis and hand over now."""
+
     def step(self) -> list[RequestOutput]: ...

@@ -7,8 +7,8 @@ engines (continuous batching, paged KV, LoRA) are tested against.
 
 from __future__ import annotations
 
-import json
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,8 +20,10 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from engine import protocol
+from engine.config import eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput, Usage
+from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class _Active:
     request: protocol.EngineRequest
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    seed: int
     added_at: float  # time.monotonic()
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -69,15 +71,9 @@ class ReferenceEngine:
                              f"holds {self.max_model_len} including the output")
         if self._find(request.request_id) is not None:
             raise ValueError(f"request {request.request_id} is already in the engine")
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            if params.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.waiting.append(_Active(
-            request=request, params=params, generator=generator, added_at=time.monotonic(),
+            request=request, params=params, seed=seed, added_at=time.monotonic(),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop)))
 
     def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
@@ -98,6 +94,9 @@ class ReferenceEngine:
 
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def room(self) -> int:
+        return max(0, 1 - len(self.waiting))  # one waiting behind the one running
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_waiting()
@@ -133,7 +132,7 @@ class ReferenceEngine:
                          past_key_values=active.past_key_values, logits_to_keep=1)
         active.past_key_values = out.past_key_values
         logits = out.logits[0, -1].float()  # [vocab]
-        token = sample(logits, active.params, active.generator)
+        token = sample(logits, active.params, active.seed, len(active.output_ids))
         if active.first_token_at is None:
             active.first_token_at = time.monotonic()
         active.output_ids.append(token)
@@ -184,36 +183,6 @@ class ReferenceEngine:
         if self.running is not None and self.running.request.request_id == request_id:
             return self.running
         return next((a for a in self.waiting if a.request.request_id == request_id), None)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> int:
-    """One token id from ``logits`` [vocab]: argmax when greedy, else temperature/top-k/top-p."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)  # [vocab]
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the tokens before it already cover top_p; the first always stays.
-        drop = torch.cumsum(probs, dim=-1) - probs > params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)  # [vocab]
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def eos_token_ids(model_dir: Path) -> frozenset[int]:
-    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.exists():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            if value is not None:
-                return frozenset([value] if isinstance(value, int) else value)
-    return frozenset()
 
 
 def generate_reference(model_dir: Path | str, prompts_token_ids: list[list[int]],

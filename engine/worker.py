@@ -37,14 +37,13 @@ EngineFactory = Callable[[Path], EngineCore]
 @dataclass(slots=True)
 class WorkerConfig:
     idle_block_ms: int = 150  # XREADGROUP BLOCK while the engine has nothing to do
-    max_waiting: int = 1  # read new requests only while fewer than this wait in the engine
     recovery_interval_s: float = 5.0
     # A pending entry is recovered once idle this long and its engine's heartbeat is stale.
     claim_min_idle_s: float = 3 * protocol.HEARTBEAT_TTL_S
 
     def __post_init__(self) -> None:
-        if self.idle_block_ms < 1 or self.max_waiting < 1:
-            raise ValueError("idle_block_ms and max_waiting must be >= 1")
+        if self.idle_block_ms < 1:
+            raise ValueError("idle_block_ms must be >= 1")
         if self.recovery_interval_s <= 0 or self.claim_min_idle_s < 0:
             raise ValueError("recovery_interval_s must be > 0 and claim_min_idle_s >= 0")
 
@@ -64,6 +63,7 @@ class Worker:
         self.steps = 0
         self._next_heartbeat = 0.0
         self._next_recovery = 0.0
+        self.last_snapshot: dict[str, Any] | None = None  # the engine's, as of the last heartbeat
 
     def run(self, stop: threading.Event) -> None:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
@@ -112,7 +112,7 @@ class Worker:
             engine_id=self.engine_id, model=self.model_name, started_at=self.started_at,
             sent_at=now, running=self.engine.num_running(), waiting=self.engine.num_waiting(),
             stats={"steps": self.steps, "tokens_generated": self.events.tokens_written,
-                   "requests_finished": self.events.finished})
+                   "requests_finished": self.events.finished, **self.engine_stats()})
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(protocol.ENGINES_ZSET, {self.engine_id: now})
             pipe.set(protocol.engine_key(self.engine_id), beat.encode(),
@@ -120,9 +120,17 @@ class Worker:
             pipe.execute()
         self._next_heartbeat = time.monotonic() + protocol.HEARTBEAT_INTERVAL_S
 
+    def engine_stats(self) -> dict[str, Any]:
+        snapshot = getattr(self.engine, "snapshot", None)
+        if snapshot is None:
+            return {}
+        # NOTE: replaced whole, never mutated: the metrics thread reads it without a lock.
+        self.last_snapshot = snapshot()
+        return {"engine": self.last_snapshot}
+
     def admit(self) -> None:
         """Reads new requests: blocking briefly when idle, not at all while generating."""
-        room = self.config.max_waiting - self.engine.num_waiting()
+        room = self.engine.room()
         if room <= 0:
             return
         block = None if self.engine.has_unfinished() else self.config.idle_block_ms
@@ -225,27 +233,87 @@ def _request_id_of(fields: Any) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= 200 else None
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, shared by ``python -m engine.worker`` and ``atrium engine``."""
+    env = os.environ.get
+    parser.add_argument("--engine", choices=("paged", "reference"),
+                        default=env("ATRIUM_ENGINE", "paged"),
+                        help="paged: continuous batching (default); reference: transformers, "
+                             "one request at a time")
+    parser.add_argument("--device", default=env("ATRIUM_DEVICE"),
+                        help="cpu or cuda[:N] (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        default=env("ATRIUM_DTYPE"),
+                        help="default: float32 on CPU, the checkpoint's dtype on CUDA")
+    parser.add_argument("--block-size", type=int, default=int(env("ATRIUM_BLOCK_SIZE", "16")))
+    parser.add_argument("--kv-cache-mib", type=int, default=int(env("ATRIUM_KV_CACHE_MIB", "512")),
+                        help="KV cache size on CPU (on CUDA: --gpu-memory-utilization)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=float(env("ATRIUM_GPU_MEMORY_UTILIZATION", "0.9")))
+    parser.add_argument("--max-num-seqs", type=int, default=int(env("ATRIUM_MAX_NUM_SEQS", "64")))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=int(env("ATRIUM_MAX_NUM_BATCHED_TOKENS", "512")))
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--metrics-port", type=int, default=int(env("ATRIUM_METRICS_PORT", "0")),
+                        help="serve Prometheus metrics on this port (0: off)")
+
+
+def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
+    def factory(model_dir: Path) -> EngineCore:
+        import torch
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.engine == "reference":
+            from engine.reference import ReferenceEngine
+
+            return ReferenceEngine(model_dir, device=device)
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+        from engine.models.llama import ModelConfig
+
+        dtype = args.dtype
+        if dtype is None:
+            own = ModelConfig.from_dir(model_dir).dtype
+            dtype = own if device.startswith("cuda") and own in ("bfloat16", "float16") \
+                else "float32"
+        return LLMEngine(EngineConfig(
+            model_dir=model_dir, device=device, dtype=dtype, block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_mib * 2**20,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching))
+
+    return factory
+
+
 def default_engine_factory(model_dir: Path) -> EngineCore:
-    import torch
-
-    from engine.reference import ReferenceEngine
-
-    return ReferenceEngine(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return engine_factory_from_args(parser.parse_args([]))(model_dir)
 
 
 def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
                engine_id: str | None = None, stop: threading.Event | None = None,
                engine_factory: EngineFactory | None = None,
-               config: WorkerConfig | None = None) -> None:
+               config: WorkerConfig | None = None, metrics_port: int = 0) -> None:
     """Serves ``model_name`` from ``model_dir`` until ``stop`` is set."""
     engine_id = engine_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     engine = (engine_factory or default_engine_factory)(Path(model_dir))
     client = redis.Redis.from_url(redis_url)
+    worker = Worker(client, engine, model_name=model_name, engine_id=engine_id,
+                    config=config or WorkerConfig())
+    server = None
+    if metrics_port:
+        from engine.metrics_server import serve_metrics
+
+        server = serve_metrics(lambda: worker.last_snapshot, port=metrics_port,
+                               labels={"engine_id": engine_id, "model": model_name})
     try:
-        Worker(client, engine, model_name=model_name, engine_id=engine_id,
-               config=config or WorkerConfig()).run(stop or threading.Event())
+        worker.run(stop or threading.Event())
     finally:
         client.close()
+        if server is not None:
+            server.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -257,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-name", help="the name clients use (default: the folder name)")
     parser.add_argument("--engine-id", help="default: host-pid-random")
     parser.add_argument("--log-level", default="INFO")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -268,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     run_worker(redis_url=args.redis_url, model_dir=args.model_dir,
                model_name=args.model_name or args.model_dir.name, engine_id=args.engine_id,
-               stop=stop)
+               stop=stop, engine_factory=engine_factory_from_args(args),
+               metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -90,12 +90,13 @@ def _model() -> tuple[Path, str]:
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
-    from engine.worker import run_worker
+    from engine.worker import engine_factory_from_args, run_worker
 
     path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
         if args.model_dir else _model()
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    run_worker(redis_url=redis_url, model_dir=path, model_name=name, engine_id=args.engine_id)
+    run_worker(redis_url=redis_url, model_dir=path, model_name=name, engine_id=args.engine_id,
+               engine_factory=engine_factory_from_args(args), metrics_port=args.metrics_port)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
@@ -223,6 +224,8 @@ PY
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.worker import add_engine_arguments
+
     parser = argparse.ArgumentParser(prog="atrium", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -240,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--model-dir", help="Hugging Face layout directory (default: ATRIUM_MODEL)")
     eng.add_argument("--model-name")
     eng.add_argument("--engine-id")
+    add_engine_arguments(eng)
     eng.set_defaults(func=cmd_engine)
 
     worker = sub.add_parser("worker", help="Celery worker with beat")

@@ -1,0 +1,75 @@
+"""The waiting queue: strict order between priority classes, round-robin between tenants.
+
+Within a priority class every tenant with waiting requests has its own FIFO, and
+the scheduler takes from the tenants in turn, so a tenant that floods the queue
+waits behind its own requests, not in front of everyone else's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+
+from engine.sequence import Sequence
+
+
+class FairQueue:
+    def __init__(self) -> None:
+        # priority -> tenant -> that tenant's waiting sequences; the first tenant is next.
+        self._classes: dict[int, OrderedDict[str, deque[Sequence]]] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for priority in sorted(self._classes):
+            for queue in self._classes[priority].values():
+                yield from queue
+
+    def push(self, seq: Sequence) -> None:
+        """A new arrival: at the back of its tenant's queue."""
+        tenants = self._classes.setdefault(seq.priority, OrderedDict())
+        tenants.setdefault(seq.tenant_id, deque()).append(seq)
+        self._len += 1
+
+    def push_front(self, seq: Sequence) -> None:
+        """A preempted sequence: first of its tenant's, and its tenant goes next."""
+        tenants = self._classes.setdefault(seq.priority, OrderedDict())
+        tenants.setdefault(seq.tenant_id, deque()).appendleft(seq)
+        tenants.move_to_end(seq.tenant_id, last=False)
+        self._len += 1
+
+    def peek(self) -> Sequence | None:
+        if not self._classes:
+            return None
+        tenants = self._classes[min(self._classes)]
+        return next(iter(tenants.values()))[0]
+
+    def pop(self) -> Sequence:
+        """Takes the next sequence and sends its tenant to the back of the rotation."""
+        priority = min(self._classes)
+        tenants = self._classes[priority]
+        tenant, queue = next(iter(tenants.items()))
+        seq = queue.popleft()
+        if queue:
+            tenants.move_to_end(tenant)
+        else:
+            del tenants[tenant]
+            if not tenants:
+                del self._classes[priority]
+        self._len -= 1
+        return seq
+
+    def remove(self, seq: Sequence) -> bool:
+        tenants = self._classes.get(seq.priority)
+        queue = tenants.get(seq.tenant_id) if tenants else None
+        if queue is None or seq not in queue:
+            return False
+        queue.remove(seq)
+        if not queue:
+            del tenants[seq.tenant_id]
+            if not tenants:
+                del self._classes[seq.priority]
+        self._len -= 1
+        return True

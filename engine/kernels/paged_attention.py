@@ -1,0 +1,129 @@
+"""Paged-attention decode: one query token per sequence against its paged KV cache.
+
+``paged_decode_attention`` is the Triton kernel (online softmax over the sequence's
+blocks, one program per sequence and KV head, all query heads of the group at
+once); ``paged_decode_reference`` is the torch path with the same signature, used
+on CPU and as the kernel's oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch on Linux
+    triton = None
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("q must be [batch, heads, head_dim]; k/v caches "
+                         "[blocks, block_size, kv_heads, head_dim] of one shape")
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0] \
+            or context_lens.shape != (q.shape[0],):
+        raise ValueError("block_tables must be [batch, max_blocks], context_lens [batch]")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens must be int32")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("the K and V caches must share a dtype")
+
+
+def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [batch, heads, head_dim] -> [batch, heads, head_dim], in q's dtype."""
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    tables = block_tables.long()
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None].long())[:, None, None, :]  # [b,1,1,L]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
+                                         attn_mask=mask, scale=scale,
+                                         enable_gqa=heads != kv_heads)
+    return out[:, :, 0, :]
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                             stride_qb, stride_qh, stride_kn, stride_kt, stride_kh,
+                             stride_tb, stride_ob, stride_oh,
+                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             DIM_PAD: tl.constexpr, FP32: tl.constexpr):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        context = tl.load(lens_ptr + seq)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM_PAD)
+        t = tl.arange(0, BLOCK_SIZE)
+        heads = kv_head * GROUP + g
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
+        q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for i in range(0, tl.cdiv(context, BLOCK_SIZE)):
+            block = tl.load(tables_ptr + seq * stride_tb + i)
+            t_ok = i * BLOCK_SIZE + t < context
+            offs = block * stride_kn + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM_PAD]
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+            if FP32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_SIZE], fp32 accumulate
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            if FP32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        out = acc / l_sum[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The Triton kernel; same contract as ``paged_decode_reference``."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() \
+            or block_tables.stride(1) != 1:
+        raise ValueError("the head dimension (and block tables' rows) must be contiguous")
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError("the Triton kernel needs a power-of-two block size of at least 16")
+    group = heads // kv_heads
+    q = q.to(k_cache.dtype)
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(batch, kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        FP32=k_cache.dtype == torch.float32)
+    return out

@@ -1,0 +1,115 @@
+"""Block tables per sequence on top of the block pool, and prefix-cache lookups.
+
+Plain Python, no tensors. The scheduler asks for room (``allocate_slots``) before it
+schedules tokens, looks up cached prefixes (``get_computed_blocks``) for a sequence
+that is about to start, and hands blocks back (``free``) when it preempts or ends one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, KVBlock, hash_block
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted by the scheduler, once per request, when its prompt is first admitted."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, *, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-unused blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq.request_id, ())]
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of ``seq`` in whole blocks, and how many tokens it covers.
+
+        At least one token is always left to compute, so the step that finishes the
+        prompt has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._hash_full_blocks(seq, (seq.num_tokens - 1) // self.block_size)
+        hits = []
+        for block_hash in seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed: list[KVBlock] | None = None) -> bool:
+        """Makes room for ``num_new_tokens`` more tokens of ``seq``; False if the pool is short.
+
+        ``computed`` are cache hits for a sequence that holds no blocks yet; they come
+        first in its table.
+        """
+        table = self.tables.get(seq.request_id, [])
+        computed = computed or []
+        if computed and table:
+            raise ValueError("cache hits are only taken by a sequence that holds no blocks")
+        num_computed = seq.num_computed_tokens + len(computed) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed)
+        # Hits sitting unused in the free queue stop being free once taken.
+        available = self.pool.num_free - sum(1 for b in computed if b.ref_cnt == 0)
+        if need > available:
+            return False
+        self.pool.touch(computed)
+        table = table + computed + self.pool.allocate(max(need, 0))
+        self.tables[seq.request_id] = table
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Indexes every block of ``seq`` that is full and computed (called after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        table = self.tables.get(seq.request_id, [])
+        self._hash_full_blocks(seq, num_full)
+        for block, block_hash in zip(table[:num_full], seq.block_hashes, strict=False):
+            self.pool.cache(block, block_hash)
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.request_id, [])
+        self.pool.release(table[::-1])
+
+    def _hash_full_blocks(self, seq: Sequence, num_full: int) -> None:
+        size = self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[i - 1] if i else None
+            extra = seq.cache_scope if i == 0 else b""
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size],
+                                               extra))

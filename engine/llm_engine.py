@@ -1,0 +1,135 @@
+"""The continuous-batching engine: the loop a newcomer reads first.
+
+    step():  schedule (who runs, how many tokens) -> run (one forward pass) -> postprocess
+
+``add_request`` checks a request and queues it; ``abort_request`` ends one at once.
+The worker (worker.py) drives this through the ``EngineCore`` interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from engine import protocol
+from engine.config import EngineConfig, eos_token_ids
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.metrics import EngineMetrics
+from engine.model_runner import ModelRunner
+from engine.models.llama import ModelConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must cover the "
+                             f"context ({self.max_model_len} tokens)")
+        self.vocab_size = self.model_config.vocab_size
+        self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+        self.eos_token_ids = eos_token_ids(config.model_dir)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        self.metrics = EngineMetrics()
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+            enable_chunked_prefill=config.enable_chunked_prefill, metrics=self.metrics)
+
+    # -- EngineCore -----------------------------------------------------------------------
+
+    def add_request(self, request: protocol.EngineRequest) -> None:
+        params = SamplingParams.from_spec(request.sampling)
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                   for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context "
+                             f"holds {self.max_model_len} including the output")
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if self.kv.blocks_needed(longest) > self.kv.num_blocks:
+            # NOTE: refused up front: a sequence that cannot fit alone would preempt itself
+            # forever once it grew past the pool.
+            raise ValueError(f"{longest} tokens need more KV cache than this engine has "
+                             f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+        scope = "\0".join((request.tenant_id, request.cache_salt, request.adapter or ""))
+        self.scheduler.add(Sequence(
+            request_id=request.request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+            params=params, seed=params.seed if params.seed is not None else secrets.randbits(63),
+            tenant_id=request.tenant_id, priority=request.priority,
+            cache_scope=scope.encode(), deadline=request.deadline,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop)))
+
+    def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
+        return self.scheduler.abort(request_id, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def room(self) -> int:
+        """How many more requests the worker may hand over now."""
+        return max(0, self.config.max_waiting - self.num_waiting())
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.scheduler.expire()
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return outputs
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
+            log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
+            message = f"{type(exc).__name__}: {exc}"[:500]
+            return outputs + [self.scheduler.abort(r.request_id, None, error=message)
+                              for r in batch.requests]
+        self.metrics.record_step(
+            prompt_tokens=sum(len(r.token_ids) for r in batch.requests if not r.is_decode),
+            generation_tokens=sum(t is not None for t in sampled))
+        return outputs + self.scheduler.postprocess(batch, sampled)
+
+    # -- observability --------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the heartbeat carries and Prometheus exports."""
+        m, now = self.metrics, time.monotonic()
+        return {
+            "waiting": self.num_waiting(), "running": self.num_running(),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": self.kv.num_blocks - self.kv.num_free_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_usage": round(self.kv.usage, 4),
+            "prefix_cache_queries": self.kv.stats.queries,
+            "prefix_cache_hits": self.kv.stats.hits,
+            "prefix_cache_hit_rate": round(self.kv.stats.hit_rate, 4),
+            "preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": m.prompt_tokens, "generation_tokens": m.generation_tokens,
+            "prompt_tokens_per_s": round(m.prompt_rate.rate(now), 2),
+            "generation_tokens_per_s": round(m.generation_rate.rate(now), 2),
+            "requests_finished": dict(m.requests_finished), "steps": m.steps,
+            "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(),
+        }

@@ -1,0 +1,128 @@
+"""The model runner: owns the weights, the KV cache tensors, and every other tensor.
+
+``run`` turns the scheduler's plain ``SchedulerOutput`` into input tensors, runs one
+forward pass over all scheduled tokens, and samples a token for each request that
+asked for one. It makes no scheduling decision.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.batch import SchedulerOutput
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata, PrefillSpan
+from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.models.loader import load_weights
+from engine.sampler import sample_batch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.use_triton = (self.device.type == "cuda") if config.use_triton is None \
+            else config.use_triton
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = LlamaForCausalLM(model_config, max_positions=max_model_len)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        load_weights(self.model, config.model_dir)
+        self.model.eval()
+        self.num_blocks = self._num_kv_blocks(model_config)
+        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads,
+                 model_config.head_dim)
+        # One (K, V) pair per layer: [num_blocks, block_size, kv_heads, head_dim] each.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model_config.num_layers)]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
+                 self.block_size, self.num_blocks * self._block_bytes(model_config) / 2**20)
+
+    def _block_bytes(self, cfg: ModelConfig) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+    def _num_kv_blocks(self, cfg: ModelConfig) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            # After the weights, keep room for one step's activations (a generous estimate
+            # at the token budget), then take the configured fraction of what is left.
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = self.config.max_num_batched_tokens * cfg.intermediate_size * 2 * 4 * 4
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used - activations
+        blocks = budget // self._block_bytes(cfg)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise "
+                             "the budget")
+        return int(blocks)
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> list[int | None]:
+        """One forward pass; the sampled token of each request that samples, else None."""
+        reqs = batch.requests
+        if not reqs:
+            return []
+        # Decode rows (one query token) first, then prompt chunks, in batch order otherwise.
+        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].token_ids) > 1)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        num_decodes = 0
+        last_row: dict[int, int] = {}  # request index -> its last row in the flat batch
+        bs = self.block_size
+        for i in order:
+            req = reqs[i]
+            n = len(req.token_ids)
+            if n == 1:
+                num_decodes += 1
+            else:
+                prefills.append(PrefillSpan(
+                    token_start=len(token_ids), num_tokens=n, start_pos=req.start_pos,
+                    block_table=torch.tensor(req.block_table, dtype=torch.int32,
+                                             device=self.device)))
+            token_ids.extend(req.token_ids)
+            span = range(req.start_pos, req.start_pos + n)
+            positions.extend(span)
+            slots.extend(req.block_table[p // bs] * bs + p % bs for p in span)
+            last_row[i] = len(token_ids) - 1
+        decodes = [reqs[i] for i in order[:num_decodes]]
+        width = max((len(r.block_table) for r in decodes), default=0)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in decodes]
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decodes=num_decodes,
+            decode_block_tables=torch.tensor(tables, dtype=torch.int32, device=device)
+            .reshape(num_decodes, width),
+            decode_context_lens=torch.tensor([r.start_pos + 1 for r in decodes],
+                                             dtype=torch.int32, device=device),
+            prefills=prefills, use_triton=self.use_triton)
+        hidden = self.model(torch.tensor(token_ids, device=device),
+                            torch.tensor(positions, device=device), self.kv_caches, meta)
+        sampling = [i for i in range(len(reqs)) if reqs[i].sample]
+        if not sampling:
+            return [None] * len(reqs)
+        rows = torch.tensor([last_row[i] for i in sampling], device=device)
+        logits = self.model.compute_logits(hidden[rows])  # [sampling rows, vocab]
+        tokens = sample_batch(logits, [reqs[i].sampling for i in sampling],
+                              [reqs[i].seed for i in sampling],
+                              [reqs[i].num_output_tokens for i in sampling])
+        out: list[int | None] = [None] * len(reqs)
+        for i, token in zip(sampling, tokens, strict=True):
+            out[i] = token
+        return out

@@ -1,0 +1,213 @@
+"""Continuous batching: who runs each step, with how many tokens, and what happened after.
+
+Plain Python, no tensors. Each step the scheduler fills a token budget:
+
+1. running sequences, decodes first, then prompt chunks (chunked prefill);
+2. when the KV pool cannot hold a running sequence's next tokens, the lowest-priority,
+   latest-arrived running sequence is preempted: its blocks go back to the pool and it
+   waits to be recomputed (its prompt and output so far run again as a prefill);
+3. then waiting sequences, fairly across tenants (``FairQueue``), each starting from
+   whatever prefix of it the prefix cache already holds.
+
+``postprocess`` takes the runner's sampled tokens, appends them, detokenizes, and
+decides who stopped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine import protocol
+from engine.batch import ScheduledRequest, SchedulerOutput
+from engine.fair_queue import FairQueue
+from engine.kv_cache_manager import KVCacheManager
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestOutput, Usage
+from engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: frozenset[int] = frozenset(),
+                 enable_chunked_prefill: bool = True,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.metrics = metrics or EngineMetrics()
+        self.waiting = FairQueue()
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.sequences:
+            raise ValueError(f"request {seq.request_id} is already in the engine")
+        self.sequences[seq.request_id] = seq
+        self.waiting.push(seq)
+
+    def abort(self, request_id: str, reason: str | None,
+              error: str | None = None) -> RequestOutput | None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        text = seq.detokenizer.flush() if seq.detokenizer else ""
+        return self._finish(seq, reason, text=text, error=error)
+
+    def expire(self, now: float | None = None) -> list[RequestOutput]:
+        """Ends every sequence whose deadline has passed."""
+        now = time.time() if now is None else now
+        late = [s for s in self.sequences.values() if s.deadline is not None and now >= s.deadline]
+        return [self.abort(s.request_id, protocol.FINISH_DEADLINE) for s in late]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, tuple[Sequence, int]] = {}  # in batch order
+        preempted = False
+        # NOTE: a stable sort: decodes (one token to run) first, each group in arrival order.
+        queue = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
+        for seq in queue:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            if n < seq.num_uncomputed and not self.enable_chunked_prefill:
+                continue
+            while not self.kv.allocate_slots(seq, n):
+                victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+                self._preempt(victim)
+                preempted = True
+                if victim.request_id in scheduled:  # it gives back what it was granted
+                    budget += scheduled.pop(victim.request_id)[1]
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq.request_id] = (seq, n)
+                budget -= n
+
+        # New work only when nothing had to make room this step.
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            computed, num_cached = self.kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - num_cached, budget)
+            if n < seq.num_tokens - num_cached and not self.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(seq, n, computed):
+                break
+            self.waiting.pop()
+            if seq.scheduled_at is None:  # its first admission, not a readmission
+                seq.scheduled_at = time.monotonic()
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+                self.kv.stats.queries += seq.num_prompt_tokens
+                self.kv.stats.hits += seq.num_cached_tokens
+            seq.num_computed_tokens = num_cached
+            seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
+                                             min(num_cached, seq.num_prompt_tokens))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.request_id] = (seq, n)
+            budget -= n
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
+                               finished)
+
+    def postprocess(self, batch: SchedulerOutput,
+                    sampled: list[int | None]) -> list[RequestOutput]:
+        """Advances every scheduled sequence and returns what each produced."""
+        now = time.monotonic()
+        outputs = []
+        for req, token in zip(batch.requests, sampled, strict=True):
+            seq = self.sequences.get(req.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += len(req.token_ids)
+            seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
+                                             min(seq.num_computed_tokens, seq.num_prompt_tokens))
+            self.kv.cache_full_blocks(seq)
+            if not req.sample or token is None:
+                continue
+            seq.token_ids.append(token)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.ttft.observe(now - seq.arrival)
+            else:
+                self.metrics.itl.observe(now - seq.last_token_at)
+            seq.last_token_at = now
+            text = seq.detokenizer.add_token(token) if seq.detokenizer else ""
+            reason = self._stop_reason(seq, token)
+            if reason is None:
+                outputs.append(RequestOutput(seq.request_id, text_delta=text, token_ids=[token]))
+            else:
+                if seq.detokenizer:
+                    text += seq.detokenizer.flush()
+                outputs.append(self._finish(seq, reason, text=text, token_ids=[token]))
+        return outputs
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledRequest:
+        start = seq.num_computed_tokens
+        return ScheduledRequest(
+            request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
+            block_table=self.kv.block_table(seq), sample=start + n == seq.num_tokens,
+            sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
+            adapter_slot=seq.adapter_slot)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            return protocol.FINISH_STOP
+        if seq.detokenizer is not None and seq.detokenizer.stopped:
+            return protocol.FINISH_STOP
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return protocol.FINISH_LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: str | None, *, text: str = "",
+                token_ids: list[int] | None = None, error: str | None = None) -> RequestOutput:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        del self.sequences[seq.request_id]
+        self._finished_ids.append(seq.request_id)
+        self.metrics.record_finish(reason or "error")
+        return RequestOutput(seq.request_id, text_delta=text, token_ids=token_ids or [],
+                             finished=True, finish_reason=reason, usage=usage_of(seq),
+                             error=error)
+
+
+def usage_of(seq: Sequence) -> Usage:
+    now = time.monotonic()
+    return Usage(
+        prompt_tokens=seq.num_prompt_tokens_done, completion_tokens=seq.num_output_tokens,
+        cached_tokens=seq.num_cached_tokens,
+        queue_s=(seq.scheduled_at or now) - seq.arrival,
+        ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
+        total_s=now - seq.arrival)

@@ -1,0 +1,65 @@
+"""One request's state inside the engine: its tokens, progress, and how it ends."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # the prompt, then every output token
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int  # the request's seed, or one drawn at arrival: recompute resamples the same
+    tenant_id: str = ""
+    priority: int = 0  # lower runs first
+    # Scopes prefix-cache hits: folded into the first block's hash (see kv_cache_manager).
+    cache_scope: bytes = b""
+    deadline: float | None = None  # unix seconds
+    detokenizer: IncrementalDetokenizer | None = None
+    adapter_slot: int = -1
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose KV is in the cache; the next step runs token_ids[num_computed_tokens:].
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when the prompt was first scheduled.
+    num_cached_tokens: int = 0
+    # The most prompt tokens ever computed (or found cached): what the prompt is billed for.
+    num_prompt_tokens_done: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
