@@ -108,6 +108,11 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+
     def reset_cache(self) -> None:
         """Forgets every cached block (content stays; the index goes)."""
         for block in self._cached.values():

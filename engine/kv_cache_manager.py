@@ -92,11 +92,16 @@ class KVCacheManager:
         self.tables[seq.request_id] = table
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Indexes every block of ``seq`` that is full and computed (called after each step)."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Indexes the blocks that the first ``num_tokens`` tokens of ``seq`` fill.
+
+        The scheduler calls it for the tokens it has just scheduled, so a request admitted
+        later in the same step already hits them. NOTE: that is safe because each layer
+        writes the whole step's keys and values before any attention reads the cache.
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        num_full = min(num_tokens, seq.num_tokens) // self.block_size
         table = self.tables.get(seq.request_id, [])
         self._hash_full_blocks(seq, num_full)
         for block, block_hash in zip(table[:num_full], seq.block_hashes, strict=False):
@@ -104,6 +109,10 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.request_id, [])
+        # Blocks indexed for a step that never ran hold no valid KV: take them out of the
+        # index (a sequence preempted or failed before its step computed them).
+        for block in table[seq.num_computed_tokens // self.block_size:]:
+            self.pool.uncache(block)
         self.pool.release(table[::-1])
 
     def _hash_full_blocks(self, seq: Sequence, num_full: int) -> None:

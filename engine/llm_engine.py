@@ -105,6 +105,9 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
             log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
             message = f"{type(exc).__name__}: {exc}"[:500]
+            # NOTE: blocks indexed for this step were never (fully) written, and a request
+            # that hit one in the same step is failing too; drop the whole index to be sure.
+            self.kv.pool.reset_cache()
             return outputs + [self.scheduler.abort(r.request_id, None, error=message)
                               for r in batch.requests]
         self.metrics.record_step(

@@ -95,6 +95,7 @@ class Scheduler:
                     break
             else:
                 scheduled[seq.request_id] = (seq, n)
+                self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 budget -= n
 
         # New work only when nothing had to make room this step.
@@ -120,6 +121,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.request_id] = (seq, n)
+            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
@@ -138,7 +140,6 @@ class Scheduler:
             seq.num_computed_tokens += len(req.token_ids)
             seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
                                              min(seq.num_computed_tokens, seq.num_prompt_tokens))
-            self.kv.cache_full_blocks(seq)
             if not req.sample or token is None:
                 continue
             seq.token_ids.append(token)

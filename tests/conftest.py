@@ -24,6 +24,10 @@ if not os.environ.get("REDIS_URL"):
     _embedded_redis = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="atrium-test-redis-")))
     os.environ["REDIS_URL"] = _embedded_redis.start() + "?db=15"
 os.environ.setdefault("ATRIUM_HOME", str(ROOT / "var" / "test-home"))
+# Triton kernels run in the interpreter on a machine without an NVIDIA GPU. NOTE: set
+# before anything imports a kernel module: @triton.jit reads it when it decorates.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("ATRIUM_MODEL_NAME", "tiny-llama")
 
 

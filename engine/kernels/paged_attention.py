@@ -71,7 +71,10 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
-        q = (q.to(tl.float32) * scale).to(k_ptr.dtype.element_ty)
+        # NOTE: products in fp32 whatever the cache dtype (exact IEEE for fp32 caches, TF32
+        # otherwise): decode is bound by reading the cache, not by the arithmetic, and
+        # Triton's interpreter has no bf16 dot.
+        q = q.to(tl.float32) * scale
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -80,12 +83,12 @@ if triton is not None:
             t_ok = i * BLOCK_SIZE + t < context
             offs = block * stride_kn + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
             kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM_PAD]
-            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BS, DIM_PAD]
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
             if FP32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_SIZE], fp32 accumulate
+                s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, BLOCK_SIZE]
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
@@ -94,7 +97,7 @@ if triton is not None:
             if FP32:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
-                pv = tl.dot(p.to(v.dtype), v)
+                pv = tl.dot(p, v)
             acc = acc * alpha[:, None] + pv
             m = m_new
         out = acc / l_sum[:, None]
@@ -117,7 +120,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError("the Triton kernel needs a power-of-two block size of at least 16")
     group = heads // kv_heads
-    q = q.to(k_cache.dtype)
     out = torch.empty_like(q)
     _paged_decode_kernel[(batch, kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
