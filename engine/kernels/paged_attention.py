@@ -34,16 +34,45 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("the K and V caches must share a dtype")
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The blocks each row of ``block_tables`` lists, in order: [rows, blocks * block_size, ...].
+
+    NOTE: ``index_select`` on a 2-D view, not ``cache[tables]``: on CPU it copies about
+    four times faster than advanced indexing.
+    """
+    rows, width = block_tables.shape
+    flat = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1).long())
+    return flat.view(rows, width * cache.shape[1], *cache.shape[2:])
+
+
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q [batch, heads, head_dim] -> [batch, heads, head_dim], in q's dtype."""
+                           scale: float, group_size: int = 16) -> torch.Tensor:
+    """q [batch, heads, head_dim] -> [batch, heads, head_dim], in q's dtype.
+
+    Sequences run in groups of similar length (sorted, ``group_size`` at a time), each
+    gathering only as many blocks as its longest member needs: padding every row to the
+    longest context of the batch would copy and attend about twice the keys.
+    """
     _check(q, k_cache, v_cache, block_tables, context_lens)
-    batch, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    tables = block_tables.long()
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    lengths = context_lens.tolist()
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for start in range(0, len(order), group_size):
+        rows = order[start:start + group_size]
+        width = -(-lengths[rows[-1]] // block_size)
+        index = torch.tensor(rows, device=q.device)
+        out[index] = _attend(q[index], k_cache, v_cache, block_tables[index, :width],
+                             context_lens[index], scale)
+    return out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    k = gather_blocks(k_cache, block_tables).transpose(1, 2)  # [batch, kv_heads, L, head_dim]
+    v = gather_blocks(v_cache, block_tables).transpose(1, 2)
     positions = torch.arange(k.shape[2], device=q.device)
     mask = (positions[None, :] < context_lens[:, None].long())[:, None, None, :]  # [b,1,1,L]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),

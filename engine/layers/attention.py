@@ -13,7 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_attention import paged_decode_attention, paged_decode_reference
+from engine.kernels.paged_attention import (
+    gather_blocks,
+    paged_decode_attention,
+    paged_decode_reference,
+)
 
 
 @dataclass(slots=True)
@@ -78,4 +82,4 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of one sequence: [length, kv_heads, head_dim]."""
-    return cache[block_table].flatten(0, 1)[:length]
+    return gather_blocks(cache, block_table[None, :])[0, :length]

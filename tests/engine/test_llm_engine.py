@@ -265,3 +265,20 @@ def test_metrics_snapshot_and_prometheus_text(tiny_model_dir, prompts):
     assert 'atrium_generation_tokens_total{engine_id="e1",model="tiny"} 15' in text_format
     assert 'atrium_time_to_first_token_seconds_count{engine_id="e1",model="tiny"} 3' in text_format
     assert "# TYPE atrium_kv_blocks_used gauge" in text_format
+
+
+def test_a_flooding_tenant_does_not_starve_a_quiet_one(tiny_model_dir, prompts):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, max_num_seqs=4))
+    for i in range(40):
+        engine.add_request(request(f"noisy{i}", prompts[8], tenant="noisy", salt="n",
+                                   max_tokens=8, ignore_eos=True))
+    engine.add_request(request("quiet", prompts[8], tenant="quiet", salt="q", max_tokens=8,
+                               ignore_eos=True))
+    finished_before_quiet = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "quiet" and out.finished:
+                assert finished_before_quiet <= 4
+                return
+            finished_before_quiet += out.finished
+    raise AssertionError("the quiet tenant's request never finished")

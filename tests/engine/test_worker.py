@@ -234,3 +234,31 @@ def test_restart_under_the_same_engine_id_settles_its_own_leftovers(start_worker
     final = read_events(redis_client, request.request_id, timeout=5)[-1]
     assert (final.seq, final.data["code"]) == (1, "engine_lost")
     assert_queue_empty(redis_client)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_heartbeat_carries_engine_metrics_and_prometheus_serves_them(start_worker,
+                                                                    redis_client):
+    import urllib.request
+
+    port = _free_port()
+    start_worker(metrics_port=port)
+    request = make_request(PROMPT, max_tokens=6, ignore_eos=True)
+    submit(redis_client, request)
+    read_events(redis_client, request.request_id)
+    time.sleep(protocol.HEARTBEAT_INTERVAL_S * 1.5)
+    beat = protocol.EngineHeartbeat.decode(redis_client.get(protocol.engine_key("engine-a")))
+    engine = beat.stats["engine"]
+    assert engine["generation_tokens"] == 6 and engine["kv_blocks_total"] > 0
+    assert engine["requests_finished"] == {"length": 1} and engine["ttft"]["count"] == 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        body = reply.read().decode()
+    assert 'atrium_generation_tokens_total{engine_id="engine-a",model="tiny"} 6' in body
+    assert "atrium_inter_token_latency_seconds_bucket" in body
