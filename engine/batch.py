@@ -42,6 +42,8 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     # Requests that ended since the last step: the runner drops their per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # (slot, adapter hash): weights the runner copies into a LoRA slot before this step.
+    adapter_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

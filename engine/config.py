@@ -27,6 +27,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     use_triton: bool | None = None  # None: Triton kernels on CUDA, torch paths elsewhere
+    # LoRA: served only with an adapter store (engine/lora/store.py).
+    adapter_store: Path | None = None
+    max_loras: int = 8  # adapter slots on the device: distinct adapters in one batch
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 64  # adapters kept in host memory (beyond those in use)
+    pinned_adapters: tuple[str, ...] = ()  # content hashes loaded at start, never evicted
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -40,6 +46,12 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be > 0 and gpu_memory_utilization in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
+        if self.adapter_store is not None:
+            self.adapter_store = Path(self.adapter_store)
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512 or self.max_cpu_loras < 1:
+            raise ValueError("max_loras and max_cpu_loras must be >= 1, max_lora_rank in [1, 512]")
+        if len(self.pinned_adapters) > self.max_loras:
+            raise ValueError("more pinned adapters than LoRA slots")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover "

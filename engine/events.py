@@ -110,7 +110,8 @@ class EventWriter:
         state = self.open[out.request_id]
         if out.error is not None:
             event = self._append(pipe, out.request_id, protocol.EV_ERROR,
-                                 {"code": error_code, "message": out.error, "usage": usage})
+                                 {"code": out.error_code or error_code, "message": out.error,
+                                  "usage": usage})
         else:
             event = self._append(pipe, out.request_id, protocol.EV_FINISH,
                                  {"finish_reason": out.finish_reason, "usage": usage})

@@ -61,6 +61,28 @@ class FairQueue:
         self._len -= 1
         return seq
 
+    def candidates(self) -> list[Sequence]:
+        """Every waiting sequence in the order the queue would hand them out.
+
+        Classes in order; within a class, round by round: each tenant's first, in rotation
+        order, then each tenant's second, and so on. The scheduler walks this when the
+        head cannot run yet (its adapter has no free slot) and ``take``s what it admits.
+        """
+        out = []
+        for priority in sorted(self._classes):
+            queues = list(self._classes[priority].values())
+            for depth in range(max(len(q) for q in queues)):
+                out.extend(q[depth] for q in queues if depth < len(q))
+        return out
+
+    def take(self, seq: Sequence) -> None:
+        """Removes ``seq`` as if popped: its tenant goes to the back of the rotation."""
+        tenants = self._classes[seq.priority]
+        if not self.remove(seq):
+            raise ValueError(f"{seq.request_id} is not waiting")
+        if seq.tenant_id in tenants:
+            tenants.move_to_end(seq.tenant_id)
+
     def remove(self, seq: Sequence) -> bool:
         tenants = self._classes.get(seq.priority)
         queue = tenants.get(seq.tenant_id) if tenants else None

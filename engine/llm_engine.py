@@ -19,12 +19,15 @@ from engine import protocol
 from engine.config import EngineConfig, eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora.cache import AdapterCache
+from engine.lora.slots import AdapterSlots
+from engine.lora.store import AdapterStore, is_hash
 from engine.metrics import EngineMetrics
-from engine.model_runner import ModelRunner
+from engine.model_runner import DTYPES, ModelRunner
 from engine.models.llama import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, usage_of
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,23 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
         self.eos_token_ids = eos_token_ids(config.model_dir)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        # LoRA: adapters load in the background into host memory (AdapterCache), then into
+        # device slots when a sequence using them is admitted (AdapterSlots, the runner).
+        self.adapters: AdapterCache | None = None
+        slots = None
+        if config.adapter_store is not None:
+            self.adapters = AdapterCache(
+                AdapterStore(config.adapter_store), self.model_config,
+                max_rank=config.max_lora_rank, dtype=DTYPES[config.dtype],
+                capacity=config.max_cpu_loras)
+            for adapter_hash in config.pinned_adapters:
+                self.adapters.load_now(adapter_hash)
+                self.adapters.retain(adapter_hash)
+            slots = AdapterSlots(config.max_loras, pinned=config.pinned_adapters)
+        self._loading: dict[str, list[Sequence]] = {}  # adapter hash -> sequences waiting on it
+        self._adapter_of: dict[str, str] = {}  # request id -> adapter hash, until it finishes
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len,
+                                  adapters=self.adapters.get if self.adapters else None)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.metrics = EngineMetrics()
@@ -50,7 +69,8 @@ class LLMEngine:
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            enable_chunked_prefill=config.enable_chunked_prefill, metrics=self.metrics)
+            enable_chunked_prefill=config.enable_chunked_prefill, metrics=self.metrics,
+            slots=slots)
 
     # -- EngineCore -----------------------------------------------------------------------
 
@@ -71,35 +91,64 @@ class LLMEngine:
             # forever once it grew past the pool.
             raise ValueError(f"{longest} tokens need more KV cache than this engine has "
                              f"({self.kv.num_blocks * self.kv.block_size} tokens)")
-        scope = "\0".join((request.tenant_id, request.cache_salt, request.adapter or ""))
-        self.scheduler.add(Sequence(
+        adapter_hash = request.adapter_hash
+        if adapter_hash is not None:
+            if self.adapters is None:
+                raise ValueError("this engine serves no LoRA adapters")
+            if not is_hash(adapter_hash):
+                raise ValueError("adapter_hash must be a 64-character lowercase hex hash")
+            if not self.adapters.store.exists(adapter_hash):
+                raise ValueError(f"adapter {request.adapter or adapter_hash} is not in the "
+                                 f"adapter store")
+        if request.request_id in self.scheduler.sequences or any(
+                s.request_id == request.request_id for w in self._loading.values() for s in w):
+            raise ValueError(f"request {request.request_id} is already in the engine")
+        scope = "\0".join((request.tenant_id, request.cache_salt,
+                           adapter_hash or request.adapter or ""))
+        seq = Sequence(
             request_id=request.request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
             params=params, seed=params.seed if params.seed is not None else secrets.randbits(63),
             tenant_id=request.tenant_id, priority=request.priority,
             cache_scope=scope.encode(), deadline=request.deadline,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop)))
+            adapter_hash=adapter_hash,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        if adapter_hash is None:
+            self.scheduler.add(seq)
+            return
+        self.adapters.retain(adapter_hash)
+        self._adapter_of[seq.request_id] = adapter_hash
+        if adapter_hash in self.adapters:
+            self.scheduler.add(seq)
+        else:  # joins the queue once its adapter is in host memory (_admit_loaded)
+            self._loading.setdefault(adapter_hash, []).append(seq)
 
     def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
-        return self.scheduler.abort(request_id, reason)
+        for seqs in self._loading.values():
+            for seq in seqs:
+                if seq.request_id == request_id:
+                    seqs.remove(seq)
+                    return self._settled([RequestOutput(
+                        request_id, finished=True, finish_reason=reason, usage=usage_of(seq))])[0]
+        return self._settled([self.scheduler.abort(request_id, reason)])[0]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(self._loading.values())
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + sum(len(s) for s in self._loading.values())
 
     def room(self) -> int:
         """How many more requests the worker may hand over now."""
         return max(0, self.config.max_waiting - self.num_waiting())
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.scheduler.expire()
+        outputs = self._admit_loaded() + self.scheduler.expire()
         batch = self.scheduler.schedule()
         if not batch.requests:
-            return outputs
+            return self._settled(outputs)
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
@@ -108,12 +157,49 @@ class LLMEngine:
             # NOTE: blocks indexed for this step were never (fully) written, and a request
             # that hit one in the same step is failing too; drop the whole index to be sure.
             self.kv.pool.reset_cache()
-            return outputs + [self.scheduler.abort(r.request_id, None, error=message)
-                              for r in batch.requests]
+            return self._settled(outputs + [self.scheduler.abort(r.request_id, None, error=message)
+                                            for r in batch.requests])
         self.metrics.record_step(
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests if not r.is_decode),
             generation_tokens=sum(t is not None for t in sampled))
-        return outputs + self.scheduler.postprocess(batch, sampled)
+        return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def _admit_loaded(self) -> list[RequestOutput]:
+        """Queues sequences whose adapter finished loading; fails those whose load failed."""
+        if self.adapters is None or not self._loading:
+            return []
+        if not self.scheduler.has_unfinished():
+            # NOTE: nothing else to run: wait for a load rather than spin (and hold the GIL).
+            self.adapters.wait(timeout=0.05)
+        ready, failed = self.adapters.poll()
+        for adapter_hash in ready:
+            for seq in self._loading.pop(adapter_hash, []):
+                self.scheduler.add(seq)
+        outputs = []
+        now = time.time()
+        for seqs in self._loading.values():
+            for seq in [s for s in seqs if s.deadline is not None and now >= s.deadline]:
+                seqs.remove(seq)
+                outputs.append(RequestOutput(seq.request_id, finished=True, usage=usage_of(seq),
+                                             finish_reason=protocol.FINISH_DEADLINE))
+        for adapter_hash, reason in failed:
+            for seq in self._loading.pop(adapter_hash, []):
+                outputs.append(RequestOutput(
+                    seq.request_id, finished=True, usage=usage_of(seq), error=reason,
+                    error_code=protocol.ERROR_INVALID_REQUEST))
+        return outputs
+
+    def _settled(self, outputs: list[RequestOutput | None]) -> list[RequestOutput | None]:
+        """Lets go of the adapters of sequences that just finished."""
+        if self.adapters is not None:
+            for out in outputs:
+                if out is not None and out.finished:
+                    adapter_hash = self._adapter_of.pop(out.request_id, None)
+                    if adapter_hash is not None:
+                        self.adapters.release(adapter_hash)
+        return outputs
 
     # -- observability --------------------------------------------------------------------
 
@@ -135,4 +221,6 @@ class LLMEngine:
             "generation_tokens_per_s": round(m.generation_rate.rate(now), 2),
             "requests_finished": dict(m.requests_finished), "steps": m.steps,
             "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(),
+            "adapters_in_slots": sorted(self.scheduler.slots.slot_of)
+            if self.scheduler.slots else [],
         }

@@ -8,12 +8,16 @@ asked for one. It makes no scheduling decision.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
+from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.manager import LoRABatch, LoRAManager
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.models.loader import load_weights
 from engine.sampler import sample_batch
@@ -24,7 +28,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 adapters: Callable[[str], LoRAAdapter] | None = None) -> None:
+        """``adapters`` looks up a loaded adapter by hash; given, LoRA slots are allocated."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -39,6 +45,10 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         load_weights(self.model, config.model_dir)
         self.model.eval()
+        self.adapters = adapters
+        self.lora = None if adapters is None else LoRAManager(
+            model_config, num_slots=config.max_loras, max_rank=config.max_lora_rank,
+            dtype=self.dtype, device=self.device, use_triton=self.use_triton)
         self.num_blocks = self._num_kv_blocks(model_config)
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)
@@ -73,17 +83,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> list[int | None]:
         """One forward pass; the sampled token of each request that samples, else None."""
+        for slot, adapter_hash in batch.adapter_loads:
+            self.lora.load_slot(slot, self.adapters(adapter_hash))
         reqs = batch.requests
         if not reqs:
             return []
-        # Decode rows (one query token) first, then prompt chunks, in batch order otherwise.
-        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].token_ids) > 1)
+        # Decode rows (one query token) first, then prompt chunks; within each, rows of one
+        # adapter next to each other, so LoRA runs one segment per adapter.
+        order = sorted(range(len(reqs)),
+                       key=lambda i: (len(reqs[i].token_ids) > 1, reqs[i].adapter_slot))
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
         num_decodes = 0
         last_row: dict[int, int] = {}  # request index -> its last row in the flat batch
+        row_slots: list[int] = []  # LoRA slot of every row, -1 for the base model
         bs = self.block_size
         for i in order:
             req = reqs[i]
@@ -96,6 +111,7 @@ class ModelRunner:
                     block_table=torch.tensor(req.block_table, dtype=torch.int32,
                                              device=self.device)))
             token_ids.extend(req.token_ids)
+            row_slots.extend([req.adapter_slot] * n)
             span = range(req.start_pos, req.start_pos + n)
             positions.extend(span)
             slots.extend(req.block_table[p // bs] * bs + p % bs for p in span)
@@ -112,8 +128,11 @@ class ModelRunner:
             decode_context_lens=torch.tensor([r.start_pos + 1 for r in decodes],
                                              dtype=torch.int32, device=device),
             prefills=prefills, use_triton=self.use_triton)
+        lora = None
+        if any(slot >= 0 for slot in row_slots):
+            lora = LoRABatch(self.lora, Segments.from_row_slots(row_slots, device))
         hidden = self.model(torch.tensor(token_ids, device=device),
-                            torch.tensor(positions, device=device), self.kv_caches, meta)
+                            torch.tensor(positions, device=device), self.kv_caches, meta, lora)
         sampling = [i for i in range(len(reqs)) if reqs[i].sample]
         if not sampling:
             return [None] * len(reqs)

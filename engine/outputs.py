@@ -38,6 +38,7 @@ class RequestOutput:
     finish_reason: str | None = None  # protocol.FINISH_* or None while running / on error
     usage: Usage | None = None  # set on the final output
     error: str | None = None  # set when the engine failed this request
+    error_code: str | None = None  # protocol.ERROR_*; default: the worker's (engine_error)
 
 
 class EngineCore(Protocol):

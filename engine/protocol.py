@@ -74,7 +74,10 @@ class EngineRequest:
     tenant_id: str
     # Derived on the server from tenant, model and adapter identity; never from the client.
     cache_salt: str = ""
-    adapter: str | None = None
+    adapter: str | None = None  # the adapter's name, for accounting and logs
+    # The adapter's content hash: what the engine loads from the adapter store, and part
+    # of the prefix-cache scope. Set by the platform with ``adapter``.
+    adapter_hash: str | None = None
     api_key_id: int | None = None  # for the usage ledger; never an access decision here
     priority: int = 0  # lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"

@@ -21,6 +21,7 @@ from engine import protocol
 from engine.batch import ScheduledRequest, SchedulerOutput
 from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora.slots import AdapterSlots
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput, Usage
 from engine.sequence import Sequence, SequenceStatus
@@ -30,7 +31,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: frozenset[int] = frozenset(),
                  enable_chunked_prefill: bool = True,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None,
+                 slots: AdapterSlots | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -38,6 +40,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = enable_chunked_prefill
         self.metrics = metrics or EngineMetrics()
+        self.slots = slots
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
@@ -49,6 +52,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.sequences:
             raise ValueError(f"request {seq.request_id} is already in the engine")
+        if seq.adapter_hash is not None and self.slots is None:
+            raise ValueError("this engine serves no LoRA adapters")
         self.sequences[seq.request_id] = seq
         self.waiting.push(seq)
 
@@ -98,18 +103,22 @@ class Scheduler:
                 self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 budget -= n
 
-        # New work only when nothing had to make room this step.
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.peek()
-            if seq is None:
+        # New work only when nothing had to make room this step. A sequence whose adapter
+        # has no free slot is passed over; one that does not fit the KV pool stops the walk.
+        for seq in self.waiting.candidates() if not preempted else ():
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.adapter_hash is not None and not self.slots.can_acquire(seq.adapter_hash):
+                continue
             computed, num_cached = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - num_cached, budget)
             if n < seq.num_tokens - num_cached and not self.enable_chunked_prefill:
                 break
             if not self.kv.allocate_slots(seq, n, computed):
                 break
-            self.waiting.pop()
+            self.waiting.take(seq)
+            if seq.adapter_hash is not None:
+                seq.adapter_slot = self.slots.acquire(seq.adapter_hash)
             if seq.scheduled_at is None:  # its first admission, not a readmission
                 seq.scheduled_at = time.monotonic()
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -125,8 +134,9 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
+        loads = self.slots.take_loads() if self.slots is not None else []
         return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
-                               finished)
+                               finished, loads)
 
     def postprocess(self, batch: SchedulerOutput,
                     sampled: list[int | None]) -> list[RequestOutput]:
@@ -173,11 +183,17 @@ class Scheduler:
         """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""
         self.running.remove(seq)
         self.kv.free(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.adapter_slot >= 0:
+            self.slots.release(seq.adapter_hash)
+            seq.adapter_slot = -1
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.eos_token_ids and not seq.params.ignore_eos:
@@ -195,6 +211,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.FINISHED
         del self.sequences[seq.request_id]
         self._finished_ids.append(seq.request_id)

@@ -29,7 +29,8 @@ class Sequence:
     cache_scope: bytes = b""
     deadline: float | None = None  # unix seconds
     detokenizer: IncrementalDetokenizer | None = None
-    adapter_slot: int = -1
+    adapter_hash: str | None = None  # LoRA adapter (content hash), None: the base model
+    adapter_slot: int = -1  # its slot while running, else -1
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in the cache; the next step runs token_ids[num_computed_tokens:].
     num_computed_tokens: int = 0

@@ -254,6 +254,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(env("ATRIUM_MAX_NUM_BATCHED_TOKENS", "512")))
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--adapter-store", default=env("ATRIUM_ADAPTER_STORE"),
+                        help="folder of PEFT adapters by content hash (engine/lora/store.py); "
+                             "LoRA is served only with one")
+    parser.add_argument("--max-loras", type=int, default=int(env("ATRIUM_MAX_LORAS", "8")),
+                        help="adapter slots on the device")
+    parser.add_argument("--max-lora-rank", type=int,
+                        default=int(env("ATRIUM_MAX_LORA_RANK", "64")))
+    parser.add_argument("--max-cpu-loras", type=int,
+                        default=int(env("ATRIUM_MAX_CPU_LORAS", "64")))
+    parser.add_argument("--pin-adapter", action="append", default=[], metavar="HASH",
+                        help="keep this adapter in a slot from start-up (repeatable)")
     parser.add_argument("--metrics-port", type=int, default=int(env("ATRIUM_METRICS_PORT", "0")),
                         help="serve Prometheus metrics on this port (0: off)")
 
@@ -281,7 +292,10 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             kv_cache_bytes=args.kv_cache_mib * 2**20,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching))
+            enable_prefix_caching=not args.no_prefix_caching,
+            adapter_store=Path(args.adapter_store) if args.adapter_store else None,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras, pinned_adapters=tuple(args.pin_adapter)))
 
     return factory
 

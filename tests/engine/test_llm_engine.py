@@ -17,13 +17,13 @@ NUM_PROMPTS, MAX_NEW = 20, 24
 
 
 def request(rid: str, prompt: list[int], *, tenant: str = "t1", salt: str = "s1",
-            adapter: str | None = None, deadline: float | None = None,
-            **sampling) -> protocol.EngineRequest:
+            adapter: str | None = None, adapter_hash: str | None = None,
+            deadline: float | None = None, **sampling) -> protocol.EngineRequest:
     sampling.setdefault("max_tokens", MAX_NEW)
     sampling.setdefault("temperature", 0.0)
     return protocol.EngineRequest(
         request_id=rid, model="tiny", prompt_token_ids=prompt, tenant_id=tenant,
-        cache_salt=salt, adapter=adapter, deadline=deadline,
+        cache_salt=salt, adapter=adapter, adapter_hash=adapter_hash, deadline=deadline,
         sampling=protocol.SamplingSpec(**sampling))
 
 

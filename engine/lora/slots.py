@@ -1,0 +1,62 @@
+"""Which adapter sits in which GPU slot: the scheduler's plain-Python view of LoRA memory.
+
+A fixed number of slots hold adapters' stacked weights. A running sequence keeps its
+adapter's slot in use; a slot no sequence uses is idle and may be given to another
+adapter, least recently used first; pinned adapters never leave their slot. The runner
+copies weights when the scheduler hands it the loads a step needs (``take_loads``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class AdapterSlots:
+    def __init__(self, num_slots: int, pinned: tuple[str, ...] = ()) -> None:
+        if num_slots < 1:
+            raise ValueError("at least one LoRA slot is needed")
+        if len(pinned) > num_slots:
+            raise ValueError(f"{len(pinned)} pinned adapters do not fit {num_slots} slots")
+        self.num_slots = num_slots
+        self.pinned = frozenset(pinned)
+        self.slot_of: dict[str, int] = {}
+        self.users: dict[str, int] = {}  # running sequences per adapter in a slot
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._idle: OrderedDict[str, int] = OrderedDict()  # in a slot, unused: LRU first
+        self._loads: list[tuple[int, str]] = []
+        for adapter in pinned:
+            self._place(adapter)
+
+    def can_acquire(self, adapter: str) -> bool:
+        return adapter in self.slot_of or bool(self._free) or bool(self._idle)
+
+    def acquire(self, adapter: str) -> int | None:
+        """The adapter's slot, taken for one more running sequence; None if every slot is busy."""
+        if adapter not in self.slot_of:
+            if not self._free and not self._idle:
+                return None
+            if not self._free:
+                evicted, slot = self._idle.popitem(last=False)
+                del self.slot_of[evicted]
+                self._free.append(slot)
+            self._place(adapter)
+        self._idle.pop(adapter, None)
+        self.users[adapter] = self.users.get(adapter, 0) + 1
+        return self.slot_of[adapter]
+
+    def release(self, adapter: str) -> None:
+        self.users[adapter] -= 1
+        if self.users[adapter] == 0:
+            del self.users[adapter]
+            if adapter not in self.pinned:
+                self._idle[adapter] = self.slot_of[adapter]
+
+    def take_loads(self) -> list[tuple[int, str]]:
+        """(slot, adapter) pairs whose weights the runner must copy in before the next step."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def _place(self, adapter: str) -> None:
+        slot = self._free.pop()
+        self.slot_of[adapter] = slot
+        self._loads.append((slot, adapter))
