@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 def _django() -> None:
+    _home()  # the SQLite file and the adapter store live there by default
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
     import django
 
@@ -67,6 +68,23 @@ def cmd_revoke_key(args: argparse.Namespace) -> None:
     print(f"revoked {key.prefix}")
 
 
+def cmd_register_adapter(args: argparse.Namespace) -> None:
+    path, name = _model()
+    from adapters.services import AdapterRejected, adapter_register
+    from tenants.models import Tenant
+
+    tenant = Tenant.objects.filter(slug=args.tenant).first()
+    if tenant is None:
+        sys.exit(f"atrium: no tenant {args.tenant!r}")
+    try:
+        adapter = adapter_register(tenant=tenant, name=args.name, source_dir=Path(args.path),
+                                   base_model=name, base_model_dir=path, public=args.public)
+    except (AdapterRejected, OSError) as exc:
+        sys.exit(f"atrium: adapter refused: {exc}")
+    print(f"{name}:{adapter.name}@{adapter.version} ({adapter.content_hash[:12]}, "
+          f"{adapter.visibility})")
+
+
 def cmd_build_demo_model(args: argparse.Namespace) -> None:
     from engine.demo_model import ensure_demo_model
 
@@ -95,6 +113,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
     path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
         if args.model_dir else _model()
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    # The store the platform registers adapters into (settings.ATRIUM_ADAPTER_STORE).
+    args.adapter_store = args.adapter_store or str(_home() / "adapters")
     run_worker(redis_url=redis_url, model_dir=path, model_name=name, engine_id=args.engine_id,
                engine_factory=engine_factory_from_args(args), metrics_port=args.metrics_port)
 
@@ -269,6 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("tenant", help="tenant slug")
     revoke.add_argument("prefix")
     revoke.set_defaults(func=cmd_revoke_key)
+
+    reg = sub.add_parser("register-adapter",
+                         help="check a PEFT LoRA folder and make it callable by a tenant")
+    reg.add_argument("tenant", help="tenant slug (the owner)")
+    reg.add_argument("name", help="the adapter's name; a new version if it exists")
+    reg.add_argument("path", help="folder with adapter_config.json + adapter_model.safetensors")
+    reg.add_argument("--public", action="store_true", help="callable by every tenant")
+    reg.set_defaults(func=cmd_register_adapter)
 
     demo = sub.add_parser("build-demo-model", help="build (once) the demo model; prints its path")
     demo.set_defaults(func=cmd_build_demo_model)

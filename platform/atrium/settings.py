@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "tenants",
+    "adapters",
     "billing",
     "webui",
 ]
@@ -111,6 +112,11 @@ ATRIUM_MAX_BODY_BYTES = int(os.environ.get("ATRIUM_MAX_BODY_BYTES", str(4 * 1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = ATRIUM_MAX_BODY_BYTES
 # Seconds a request may take end to end before it is stopped with 504.
 ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
+
+# LoRA adapters (docs/adapters.md): the content-addressed store the platform writes and
+# the engines read (a shared volume in production), and the largest rank accepted.
+ATRIUM_ADAPTER_STORE = Path(os.environ.get("ATRIUM_ADAPTER_STORE", ATRIUM_HOME / "adapters"))
+ATRIUM_MAX_LORA_RANK = int(os.environ.get("ATRIUM_MAX_LORA_RANK", "64"))
 
 # API keys and members (docs/tenancy.md).
 # Seconds a key's state stays in the Redis key cache; changes rewrite it at once anyway.

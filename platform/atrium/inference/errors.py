@@ -15,13 +15,20 @@ from atrium.errors import (
 __all__ = [
     "ApiError", "AuthenticationFailed", "InvalidRequest", "PermissionDenied", "QuotaExceeded",
     "RateLimited", "ServiceUnavailable", "ModelNotFound", "ContextLengthExceeded",
-    "BodyTooLarge", "NoEngineAvailable", "EngineFailed", "DeadlineExceeded",
+    "BodyTooLarge", "NoEngineAvailable", "EngineFailed", "DeadlineExceeded", "AdapterNotReady",
 ]
 
 
 class ModelNotFound(ApiError):
     status = 404
     code = "model_not_found"
+
+
+class AdapterNotReady(ApiError):
+    """The caller's own adapter exists but is still validating, or failed validation."""
+
+    status = 409
+    code = "adapter_not_ready"
 
 
 class ContextLengthExceeded(ApiError):

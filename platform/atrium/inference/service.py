@@ -19,11 +19,21 @@ from typing import Any, Literal
 
 from django.conf import settings
 
+from adapters.facade import (
+    AdapterNotFound,
+    AdapterUnavailable,
+    ModelRef,
+    ServedAdapter,
+    adapter_list_usable,
+    adapter_resolve,
+    parse_model,
+)
 from atrium.inference import admission as quota
 from atrium.inference import params as p
 from atrium.inference.auth import touch_later
 from atrium.inference.dispatch import Dispatch
 from atrium.inference.errors import (
+    AdapterNotReady,
     ContextLengthExceeded,
     DeadlineExceeded,
     EngineFailed,
@@ -47,9 +57,15 @@ class Prepared:
     response_id: str
     created: int
     model: ServedModel
+    adapter: ServedAdapter | None
     params: p.GenerationParams
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
+
+    @property
+    def model_id(self) -> str:
+        """The model as responses name it: the adapter's id when one is used."""
+        return self.adapter.model_id if self.adapter else self.model.name
 
 
 def cache_salt(*, tenant_id: int, model: str, adapter_hash: str | None) -> str:
@@ -58,18 +74,63 @@ def cache_salt(*, tenant_id: int, model: str, adapter_hash: str | None) -> str:
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 
-def resolve_model(name: str) -> ServedModel:
-    model = served_models().get(name)
-    if model is None:
-        raise ModelNotFound(f"The model '{name}' does not exist or you do not have access "
+def resolve_model(name: str, principal: Principal | None = None
+                  ) -> tuple[ServedModel, ServedAdapter | None]:
+    """The base model and the adapter ``name`` means for this caller (docs/adapters.md).
+
+    Another tenant's private adapter reads as unknown: its existence is not disclosed.
+    NOTE: a database read when an adapter is named; call it off the event loop.
+    """
+    missing = ModelNotFound(f"The model '{name}' does not exist or you do not have access "
                             "to it.", param="model")
-    return model
+    ref: ModelRef | None = parse_model(name)
+    model = served_models().get(ref.base) if ref else None
+    if model is None:
+        raise missing
+    if ref.adapter is None:
+        return model, None
+    if principal is None:
+        raise missing
+    try:
+        adapter = adapter_resolve(tenant_id=principal.tenant_id,
+                                  tenant_slug=principal.tenant_slug, ref=ref)
+    except AdapterNotFound:
+        raise missing from None
+    except AdapterUnavailable as exc:
+        detail = f": {exc.reason}" if exc.reason else ""
+        raise AdapterNotReady(f"The adapter '{name}' is {exc.status}{detail}; only ready "
+                              f"adapters can be called.", param="model") from None
+    return model, adapter
+
+
+def model_objects(principal: Principal) -> list[dict[str, Any]]:
+    """``/v1/models``: each base model, then every adapter this key may call on it."""
+    data = []
+    for model in served_models().values():
+        data.append({"id": model.name, "object": "model", "created": model.created,
+                     "owned_by": "atrium"})
+        data.extend(adapter_object(a) for a in adapter_list_usable(
+            tenant_id=principal.tenant_id, tenant_slug=principal.tenant_slug, base=model.name))
+    return data
+
+
+def model_object(name: str, principal: Principal) -> dict[str, Any]:
+    model, adapter = resolve_model(name, principal)
+    if adapter is not None:
+        return adapter_object(adapter, model_id=name)
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "atrium"}
+
+
+def adapter_object(adapter: ServedAdapter, model_id: str | None = None) -> dict[str, Any]:
+    return {"id": model_id or adapter.model_id, "object": "model", "created": adapter.created,
+            "owned_by": adapter.owner_slug, "root": adapter.model_id.split(":")[0],
+            "parent": adapter.model_id.split(":")[0], "version": adapter.version}
 
 
 def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
     parsed = p.parse_chat(body) if kind == "chat" else p.parse_completion(body)
     params = parsed.params
-    model = resolve_model(params.model)
+    model, adapter = resolve_model(params.model, principal)
     if kind == "chat":
         try:
             prompt_ids = model.encode_chat(parsed.messages)
@@ -128,13 +189,16 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
             top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=params.stop),
         tenant_id=str(principal.tenant_id),
         cache_salt=cache_salt(tenant_id=principal.tenant_id, model=model.name,
-                              adapter_hash=None),
+                              adapter_hash=adapter.content_hash if adapter else None),
+        adapter=adapter.display_name if adapter else None,
+        adapter_hash=adapter.content_hash if adapter else None,
         priority=principal.priority,
         deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
     )
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     return Prepared(kind=kind, response_id=prefix + request_id, created=created, model=model,
-                    params=params, engine_request=engine_request, principal=principal)
+                    adapter=adapter, params=params, engine_request=engine_request,
+                    principal=principal)
 
 
 async def admit(prepared: Prepared) -> quota.Admission:
@@ -226,7 +290,7 @@ class _ChunkWriter:
             choice = {"text": text or "", "index": 0, "logprobs": None,
                       "finish_reason": finish_reason}
         out = {"id": self.prepared.response_id, "object": self.object,
-               "created": self.prepared.created, "model": self.prepared.model.name,
+               "created": self.prepared.created, "model": self.prepared.model_id,
                "system_fingerprint": None, "choices": [choice]}
         if self.prepared.params.include_usage:
             out["usage"] = None
@@ -234,7 +298,7 @@ class _ChunkWriter:
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.prepared.response_id, "object": self.object,
-                "created": self.prepared.created, "model": self.prepared.model.name,
+                "created": self.prepared.created, "model": self.prepared.model_id,
                 "system_fingerprint": None, "choices": [], "usage": usage}
 
 
@@ -291,5 +355,5 @@ async def collect(prepared: Prepared, dispatch: Dispatch,
         choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
         obj = "text_completion"
     return {"id": prepared.response_id, "object": obj, "created": prepared.created,
-            "model": prepared.model.name, "system_fingerprint": None, "choices": [choice],
+            "model": prepared.model_id, "system_fingerprint": None, "choices": [choice],
             "usage": _usage(final.data.get("usage") or {})}

@@ -15,7 +15,6 @@ from django.views.decorators.csrf import csrf_exempt
 from atrium.inference import service
 from atrium.inference.auth import authenticate
 from atrium.inference.errors import ApiError, BodyTooLarge, InvalidRequest
-from atrium.inference.served_models import served_models
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -107,15 +106,13 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 @api_view("GET")
 async def models(request: HttpRequest) -> HttpResponse:
-    await authenticate(request.headers.get("Authorization"))
-    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "atrium"}
-            for m in served_models().values()]
+    principal = await authenticate(request.headers.get("Authorization"))
+    data = await sync_to_async(service.model_objects, thread_sensitive=False)(principal)
     return JsonResponse({"object": "list", "data": data})
 
 
 @api_view("GET")
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    await authenticate(request.headers.get("Authorization"))
-    m = service.resolve_model(model)
-    return JsonResponse({"id": m.name, "object": "model", "created": m.created,
-                         "owned_by": "atrium"})
+    principal = await authenticate(request.headers.get("Authorization"))
+    data = await sync_to_async(service.model_object, thread_sensitive=False)(model, principal)
+    return JsonResponse(data)
