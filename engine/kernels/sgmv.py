@@ -17,7 +17,7 @@ torch reference with the same signature (``*_reference``), which the engine uses
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ class Segments:
     lengths: torch.Tensor  # [segments] int32
     slots: torch.Tensor  # [segments] int32
     max_length: int
+    _list: list[tuple[int, int, int]] | None = field(default=None, repr=False)
 
     @classmethod
     def from_row_slots(cls, row_slots: list[int], device: torch.device | str = "cpu"
@@ -59,6 +60,13 @@ class Segments:
 
     def __len__(self) -> int:
         return int(self.starts.numel())
+
+    def as_list(self) -> list[tuple[int, int, int]]:
+        """(start, length, slot) per segment, as Python ints (read once, then cached)."""
+        if self._list is None:
+            self._list = list(zip(self.starts.tolist(), self.lengths.tolist(),
+                                  self.slots.tolist(), strict=True))
+        return self._list
 
 
 def _check_segments(seg: Segments, rows: int) -> None:

@@ -4,7 +4,12 @@ For each layer and each fused projection (qkv, o, gate_up, down) the manager hol
 ``lora_a [slots, slices * R, in]`` and ``lora_b [slots, out, R]`` padded with zeros to
 the maximum rank R, the per-slot scalings ``[slots, slices]`` and ranks ``[slots]``.
 ``apply`` adds the LoRA term of every adapter row of a step to a projection's output
-with one SGMV shrink and one expand.
+with one SGMV shrink and one expand (Triton, on CUDA).
+
+On CPU the manager keeps a second, compact copy of each slot: ``A [slices * rank, in]``
+at the adapter's own rank and ``B`` as one block-diagonal ``[slices * rank, out]`` with
+the scalings folded in, so each segment costs two matmuls whatever the slice count.
+That is the engine's CPU path; the SGMV references stay the kernels' oracle.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class _Stack:
                              device=device)
         self.b = torch.zeros(slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
         self.scales = torch.zeros(slots, len(modules), dtype=torch.float32, device=device)
+        # The CPU path's compact copies, per slot (see the module docstring).
+        self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
 
 
 class LoRAManager:
@@ -69,11 +76,30 @@ class LoRAManager:
             stack.scales[slot, index] = weights.scaling
         self.ranks[slot] = adapter.rank
         self.slot_hash[slot] = adapter.adapter_hash
+        if not self.use_triton:
+            rank = adapter.rank
+            for layer in self.stacks:
+                for stack in layer.values():
+                    slices = stack.scales.shape[1]
+                    a = stack.a[slot].view(slices, r, -1)[:, :rank].reshape(slices * rank, -1)
+                    b = torch.zeros(slices * rank, stack.offsets[-1], dtype=stack.b.dtype,
+                                    device=stack.b.device)
+                    for s in range(slices):
+                        lo, hi = stack.offsets[s], stack.offsets[s + 1]
+                        b[s * rank:(s + 1) * rank, lo:hi] = \
+                            (stack.b[slot, lo:hi, :rank] * stack.scales[slot, s]).T
+                    stack.dense[slot] = (a.contiguous(), b)
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor,
               seg: Segments) -> None:
         """y [tokens, out] += the LoRA term of x [tokens, in] for every adapter row."""
         stack = self.stacks[layer][proj]
+        if not self.use_triton:
+            for start, length, slot in seg.as_list():
+                a, b = stack.dense[slot]
+                rows = slice(start, start + length)
+                y[rows].addmm_(x[rows] @ a.T, b)  # [n, slices * rank] @ [.., out]
+            return
         buf = torch.empty(x.shape[0], stack.a.shape[1], dtype=torch.float32, device=x.device)
         shrink, expand = (sgmv_shrink, sgmv_expand) if self.use_triton \
             else (sgmv_shrink_reference, sgmv_expand_reference)
