@@ -47,3 +47,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _embedded_redis is not None:
         _embedded_redis.stop()
+        import shutil
+
+        shutil.rmtree(_embedded_redis.data_dir, ignore_errors=True)
