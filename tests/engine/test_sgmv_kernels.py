@@ -127,3 +127,31 @@ def test_wrappers_check_shapes_and_dtypes():
     with pytest.raises(ValueError, match="slice_offsets"):
         sgmv_expand(torch.zeros(4, 16), b, torch.zeros(4, 6), seg, ranks, 16, [0, 7],
                     torch.ones(2, 1))
+
+
+def test_empty_segments_and_a_batch_of_only_base_rows_change_nothing():
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(3, 16, 24, generator=gen).to(DEVICE)
+    b = torch.randn(3, 20, 16, generator=gen).to(DEVICE)
+    x = torch.randn(6, 24, generator=gen).to(DEVICE)
+    ranks = torch.full((3,), 16, dtype=torch.int32, device=DEVICE)
+    scales = torch.ones(3, 1, device=DEVICE)
+
+    def as_tensor(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    seg = Segments(as_tensor([0, 2, 2]), as_tensor([2, 0, 3]), as_tensor([1, 0, 2]), 3)
+    expected_buf, buf = torch.zeros(6, 16, device=DEVICE), torch.zeros(6, 16, device=DEVICE)
+    sgmv_shrink_reference(x, a, expected_buf, seg, ranks, 16)
+    sgmv_shrink(x, a, buf, seg, ranks, 16)
+    torch.testing.assert_close(buf, expected_buf, atol=1e-4, rtol=1e-4)
+    y0 = torch.randn(6, 20, generator=gen).to(DEVICE)
+    expected_y, y = y0.clone(), y0.clone()
+    sgmv_expand_reference(expected_buf, b, expected_y, seg, ranks, 16, [0, 20], scales)
+    sgmv_expand(expected_buf, b, y, seg, ranks, 16, [0, 20], scales)
+    torch.testing.assert_close(y, expected_y, atol=1e-4, rtol=1e-4)
+    assert torch.equal(y[5], y0[5])  # row 5 is in no segment
+    none = Segments.from_row_slots([-1] * 6, DEVICE)
+    untouched = y0.clone()
+    sgmv_expand(buf, b, untouched, none, ranks, 16, [0, 20], scales)
+    assert len(none) == 0 and torch.equal(untouched, y0)
