@@ -1,0 +1,50 @@
+"""Structured (JSON) log lines, every one passed through redaction.
+
+Used as the formatter of every handler in settings.LOGGING, so nothing a
+library logs (a request path with a key in it, an exception message quoting a
+prompt) reaches the output unredacted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from redaction import redact
+
+# Attributes every LogRecord has; anything else was passed through `extra=`.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_SECRET_FIELDS = {"authorization", "api_key", "key", "password", "prompt", "messages",
+                  "completion", "cookie", "token"}
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: "[REDACTED]" if str(k).lower() in _SECRET_FIELDS else _clean(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    if isinstance(value, int | float | bool) or value is None:
+        return value
+    return redact(str(value))
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": redact(record.getMessage()),
+        }
+        for name, value in vars(record).items():
+            if name not in _STANDARD and not name.startswith("_"):
+                line[name] = "[REDACTED]" if name.lower() in _SECRET_FIELDS else _clean(value)
+        if record.exc_info:
+            line["exc"] = redact(self.formatException(record.exc_info))
+        return json.dumps(line, ensure_ascii=False, default=str)
