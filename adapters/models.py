@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from django.db import models
 from django.utils import timezone
 
@@ -20,6 +22,36 @@ class Visibility(models.TextChoices):
     PUBLIC = "public"  # every tenant; only an operator sets it
 
 
+class AdapterUpload(models.Model):
+    """Bytes on their way in: one archive in chunks, or an adapter's two files."""
+
+    class Kind(models.TextChoices):
+        ARCHIVE = "archive"  # a .zip or .tar.gz, possibly sent in resumable chunks
+        FILES = "files"  # adapter_config.json + adapter_model.safetensors
+
+    class Status(models.TextChoices):
+        OPEN = "open"  # receiving chunks
+        COMPLETE = "complete"  # handed to validation as an Adapter version
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapter_uploads")
+    name = models.CharField(max_length=64)
+    base_model = models.CharField(max_length=200)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.ARCHIVE)
+    filename = models.CharField(max_length=255, blank=True)
+    size = models.PositiveBigIntegerField()  # declared total bytes
+    received = models.PositiveBigIntegerField(default=0)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
+    created_by = models.CharField(max_length=200, blank=True)  # the actor's label
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"upload {self.pk} of {self.name}"
+
+
 class Adapter(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
     name = models.CharField(max_length=64)
@@ -35,6 +67,10 @@ class Adapter(models.Model):
     rank = models.PositiveIntegerField(null=True, blank=True)
     target_modules = models.JSONField(default=list, blank=True)
     size_bytes = models.PositiveBigIntegerField(default=0)
+    # The upload it was made from, until validation has read it.
+    upload = models.ForeignKey(AdapterUpload, null=True, blank=True, on_delete=models.SET_NULL,
+                               related_name="+")
+    created_by = models.CharField(max_length=200, blank=True)  # the actor's label
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from django.db.models import Q
 
-from adapters.models import Adapter, AdapterStatus, Visibility
+from adapters.models import Adapter, AdapterStatus, AdapterUpload, Visibility
 from adapters.naming import ModelRef, model_id
 
 
@@ -80,3 +80,26 @@ def adapter_list_usable(*, tenant_id: int, tenant_slug: str, base: str) -> list[
     served = [_served(a, base=base, caller_slug=tenant_slug, pinned_version=False)
               for a in newest.values()]
     return sorted(served, key=lambda s: (s.owner_slug != tenant_slug, s.model_id))
+
+
+def adapter_list(*, tenant) -> list[Adapter]:
+    return list(Adapter.objects.for_tenant(tenant).order_by("name", "-version"))
+
+
+def adapter_get(*, tenant, adapter_id: int) -> Adapter:
+    """The tenant's adapter version; another tenant's id is a 404 (NotFound)."""
+    from atrium.errors import NotFound
+
+    adapter = Adapter.objects.for_tenant(tenant).filter(pk=adapter_id).first()
+    if adapter is None:
+        raise NotFound(f"no adapter {adapter_id} in this tenant")
+    return adapter
+
+
+def upload_get(*, tenant, upload_id) -> AdapterUpload:
+    from atrium.errors import NotFound
+
+    upload = AdapterUpload.objects.for_tenant(tenant).filter(pk=upload_id).first()
+    if upload is None:
+        raise NotFound(f"no upload {upload_id} in this tenant")
+    return upload

@@ -33,6 +33,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int = 64  # adapters kept in host memory (beyond those in use)
     pinned_adapters: tuple[str, ...] = ()  # content hashes loaded at start, never evicted
+    # Where to download adapters the store lacks (the platform's /internal/adapters/).
+    adapter_fetch_url: str = ""
+    engine_token: str = ""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

@@ -51,7 +51,8 @@ class LLMEngine:
         slots = None
         if config.adapter_store is not None:
             self.adapters = AdapterCache(
-                AdapterStore(config.adapter_store), self.model_config,
+                AdapterStore(config.adapter_store, fetch_url=config.adapter_fetch_url,
+                             token=config.engine_token), self.model_config,
                 max_rank=config.max_lora_rank, dtype=DTYPES[config.dtype],
                 capacity=config.max_cpu_loras)
             for adapter_hash in config.pinned_adapters:
@@ -97,7 +98,7 @@ class LLMEngine:
                 raise ValueError("this engine serves no LoRA adapters")
             if not is_hash(adapter_hash):
                 raise ValueError("adapter_hash must be a 64-character lowercase hex hash")
-            if not self.adapters.store.exists(adapter_hash):
+            if not self.adapters.store.exists(adapter_hash) and not self.adapters.store.can_fetch:
                 raise ValueError(f"adapter {request.adapter or adapter_hash} is not in the "
                                  f"adapter store")
         if request.request_id in self.scheduler.sequences or any(
@@ -165,6 +166,12 @@ class LLMEngine:
         return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
 
     # -- adapters -------------------------------------------------------------------------
+
+    def forget_adapter(self, adapter_hash: str) -> None:
+        """The platform deleted this adapter: let go of it wherever nothing still uses it."""
+        if self.adapters is not None:
+            self.adapters.forget(adapter_hash)
+            self.scheduler.slots.forget(adapter_hash)
 
     def _admit_loaded(self) -> list[RequestOutput]:
         """Queues sequences whose adapter finished loading; fails those whose load failed."""

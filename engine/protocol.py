@@ -44,6 +44,9 @@ def cancel_key(request_id: str) -> str:
 USAGE_STREAM = f"{KEY_PREFIX}:usage"
 USAGE_GROUP = "billing"
 USAGE_STREAM_MAXLEN = 1_000_000
+# Adapter lifecycle news for engines: entries {"type": "deleted", "adapter_hash"}.
+ADAPTER_EVENTS_STREAM = f"{KEY_PREFIX}:adapter-events"
+ADAPTER_EVENTS_MAXLEN = 10_000
 ENGINES_ZSET = f"{KEY_PREFIX}:engines"  # member engine_id, score last heartbeat (unix s)
 
 

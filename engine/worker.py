@@ -64,11 +64,15 @@ class Worker:
         self._next_heartbeat = 0.0
         self._next_recovery = 0.0
         self.last_snapshot: dict[str, Any] | None = None  # the engine's, as of the last heartbeat
+        # Deletions before this engine started concern adapters it never loaded: it reads on
+        # from the stream's last entry at start-up (run).
+        self._adapter_events_id: bytes | str = "0-0"
 
     def run(self, stop: threading.Event) -> None:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
         self.ensure_group()
         self.heartbeat()
+        self._adapter_events_id = self._last_adapter_event_id()
         self.recovery.run(own=True)  # what an earlier life of this engine_id left pending
         self._next_recovery = time.monotonic() + self.config.recovery_interval_s
         try:
@@ -92,12 +96,30 @@ class Worker:
             self.heartbeat()
         if now >= self._next_recovery:
             self.recovery.run()
+            self.read_adapter_events()
             self._next_recovery = now + self.config.recovery_interval_s
         self.admit()
         self.abort_cancelled()
         if self.engine.has_unfinished():
             self.events.publish(self.engine.step())
             self.steps += 1
+
+    def _last_adapter_event_id(self) -> bytes | str:
+        last = self.client.xrevrange(protocol.ADAPTER_EVENTS_STREAM, count=1)
+        return last[0][0] if last else "0-0"
+
+    def read_adapter_events(self) -> None:
+        """Adapters the platform deleted since the last look: the engine lets go of them."""
+        forget = getattr(self.engine, "forget_adapter", None)
+        if forget is None:
+            return
+        reply = self.client.xread({protocol.ADAPTER_EVENTS_STREAM: self._adapter_events_id},
+                                  count=1000)
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._adapter_events_id = entry_id
+                if fields.get(b"type") == b"deleted":
+                    forget(fields.get(b"adapter_hash", b"").decode())
 
     def ensure_group(self) -> None:
         try:
@@ -257,6 +279,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter-store", default=env("ATRIUM_ADAPTER_STORE"),
                         help="folder of PEFT adapters by content hash (engine/lora/store.py); "
                              "LoRA is served only with one")
+    parser.add_argument("--adapter-fetch-url", default=env("ATRIUM_ADAPTER_FETCH_URL", ""),
+                        help="download adapters the store lacks from the platform, e.g. "
+                             "http://web:8000/internal/adapters (token: ATRIUM_ENGINE_TOKEN)")
     parser.add_argument("--max-loras", type=int, default=int(env("ATRIUM_MAX_LORAS", "8")),
                         help="adapter slots on the device")
     parser.add_argument("--max-lora-rank", type=int,
@@ -295,7 +320,9 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             enable_prefix_caching=not args.no_prefix_caching,
             adapter_store=Path(args.adapter_store) if args.adapter_store else None,
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            max_cpu_loras=args.max_cpu_loras, pinned_adapters=tuple(args.pin_adapter)))
+            max_cpu_loras=args.max_cpu_loras, pinned_adapters=tuple(args.pin_adapter),
+            adapter_fetch_url=args.adapter_fetch_url,
+            engine_token=os.environ.get("ATRIUM_ENGINE_TOKEN", "")))
 
     return factory
 
@@ -341,8 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One JSON line per record, through the platform's redaction (pure Python, no Django).
+    from redaction.jsonlog import configure_logging
+
+    configure_logging(args.log_level)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per weight load is noise in a service log

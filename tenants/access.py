@@ -63,6 +63,9 @@ RULES: dict[str, Rule] = {
     "tenant.plan": Rule(_NOBODY, None, staff=True),
     "quota.read": Rule(_ALL, Scope.ADMIN, staff=True),
     "quota.update": Rule(_NOBODY, None, staff=True),
+    # Request logs (docs/request-logs.md); keeping bodies is the tenant's choice alone.
+    "log.read": Rule(_BUILDERS, Scope.ADMIN, staff=True),
+    "log.manage": Rule(_MANAGERS, Scope.ADMIN, staff=False),
     "key.read": Rule(_ALL, Scope.ADMIN, staff=True),
     "key.create": Rule(_BUILDERS, Scope.ADMIN, staff=False),
     # NOTE: developers pass here but may only manage keys they created (authorize's owner_id).
@@ -72,6 +75,10 @@ RULES: dict[str, Rule] = {
     "member.manage": Rule(_MANAGERS, Scope.ADMIN, staff=True),
     "member.add": Rule(_NOBODY, None, staff=True),
     "audit.read": Rule(_MANAGERS, Scope.ADMIN, staff=True),
+    "adapter.read": Rule(_ALL, Scope.ADAPTERS, staff=True),
+    "adapter.create": Rule(_BUILDERS, Scope.ADAPTERS, staff=False),
+    "adapter.delete": Rule(_BUILDERS, Scope.ADAPTERS, staff=True),
+    "adapter.publish": Rule(_NOBODY, None, staff=True),
 }
 
 # Scopes a role may put on a key it creates; a key may grant only scopes it has.

@@ -82,7 +82,18 @@ class AdapterCache:
         self._evict()
         return ready, failed
 
+    def forget(self, adapter_hash: str) -> None:
+        """Drops a deleted adapter from memory once no request needs it."""
+        if adapter_hash not in self._refs:
+            self._loaded.pop(adapter_hash, None)
+
     def _load(self, adapter_hash: str) -> LoRAAdapter:
+        if not self.store.exists(adapter_hash) and self.store.can_fetch:
+            try:
+                self.store.fetch(adapter_hash)
+            except Exception as exc:  # noqa: BLE001 - reported to the request as a reason
+                raise AdapterError(f"adapter {adapter_hash} could not be fetched: {exc}") \
+                    from None
         if not self.store.exists(adapter_hash):
             raise AdapterError(f"adapter {adapter_hash} is not in the adapter store")
         return load_adapter(self.store.path(adapter_hash), self.model, max_rank=self.max_rank,

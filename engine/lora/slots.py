@@ -51,6 +51,12 @@ class AdapterSlots:
             if adapter not in self.pinned:
                 self._idle[adapter] = self.slot_of[adapter]
 
+    def forget(self, adapter: str) -> None:
+        """Frees a deleted adapter's slot if no sequence uses it (else it frees on release)."""
+        if adapter in self._idle and adapter not in self.pinned:
+            self._free.append(self._idle.pop(adapter))
+            del self.slot_of[adapter]
+
     def take_loads(self) -> list[tuple[int, str]]:
         """(slot, adapter) pairs whose weights the runner must copy in before the next step."""
         loads, self._loads = self._loads, []

@@ -39,8 +39,42 @@ def is_hash(value: object) -> bool:
 
 
 class AdapterStore:
-    def __init__(self, root: Path | str) -> None:
+    """``fetch_url``: where to download an adapter this store lacks (the platform's
+    ``/internal/adapters/``), with ``token``; without it the store is read-only local."""
+
+    def __init__(self, root: Path | str, *, fetch_url: str = "", token: str = "") -> None:
         self.root = Path(root)
+        self.fetch_url = fetch_url.rstrip("/")
+        self.token = token
+
+    @property
+    def can_fetch(self) -> bool:
+        return bool(self.fetch_url and self.token)
+
+    def fetch(self, adapter_hash: str, timeout: float = 60.0) -> None:
+        """Downloads an adapter into the store and checks it is the content it is named for."""
+        import urllib.request
+
+        self.path(adapter_hash)  # validates the name before it becomes a URL
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".fetching-", dir=self.root))
+        try:
+            for name in (WEIGHTS_FILE, CONFIG_FILE):
+                request = urllib.request.Request(
+                    f"{self.fetch_url}/{adapter_hash}/{name}",
+                    headers={"Authorization": f"Bearer {self.token}"})
+                with urllib.request.urlopen(request, timeout=timeout) as reply, \
+                        (staging / name).open("wb") as out:
+                    shutil.copyfileobj(reply, out, 1 << 20)
+            if content_hash(staging) != adapter_hash:
+                raise ValueError(f"the adapter fetched for {adapter_hash} has other content")
+            try:
+                os.rename(staging, self.path(adapter_hash))
+            except OSError:
+                if not self.exists(adapter_hash):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def path(self, adapter_hash: str) -> Path:
         # NOTE: checked before it becomes a path, so a request can never name "../x".

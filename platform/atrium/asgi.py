@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
 
@@ -14,6 +15,9 @@ from django.urls import path  # noqa: E402
 
 django_app = get_asgi_application()
 
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+
+from adapters.consumers import AdapterEventsConsumer  # noqa: E402
 from atrium.inference.consumers import InferenceConsumer  # noqa: E402
 
 
@@ -24,16 +28,28 @@ class BodyLimit:
     client could fill the disk with one request.
     """
 
+    # Adapter uploads may be larger: a whole archive in one request, or a chunk.
+    UPLOAD = re.compile(r"^/api/v1/tenants/[^/]+/adapters$")
+    CHUNK = re.compile(r"^/api/v1/tenants/[^/]+/adapter-uploads/[^/]+$")
+
     def __init__(self, app, limit: int) -> None:
         self.app = app
-        self.limit = limit
+        self.default_limit = limit
+
+    def limit_for(self, path: str) -> int:
+        if self.UPLOAD.match(path):
+            return settings.ATRIUM_ADAPTER_MAX_UPLOAD_BYTES + (1 << 20)  # + multipart framing
+        if self.CHUNK.match(path):
+            return settings.ATRIUM_ADAPTER_CHUNK_BYTES
+        return self.default_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.limit_for(scope.get("path", ""))
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await self._refuse(send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return await self._refuse(send, limit)
         seen = 0
 
         async def limited_receive():
@@ -41,18 +57,18 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
+                if seen > limit:
                     raise _TooLarge
             return message
 
         try:
             return await self.app(scope, limited_receive, send)
         except _TooLarge:
-            return await self._refuse(send)
+            return await self._refuse(send, limit)
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, send, limit: int) -> None:
         body = json.dumps({"error": {
-            "message": f"the request body is larger than {self.limit} bytes",
+            "message": f"the request body is larger than {limit} bytes",
             "type": "invalid_request_error", "param": None, "code": "request_too_large"}})
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json")]})
@@ -65,5 +81,9 @@ class _TooLarge(Exception):
 
 application = ProtocolTypeRouter({
     "http": BodyLimit(django_app, settings.ATRIUM_MAX_BODY_BYTES),
-    "websocket": URLRouter([path("v1/stream", InferenceConsumer.as_asgi())]),
+    # Sessions (console sign-in) reach websockets through AuthMiddlewareStack.
+    "websocket": AuthMiddlewareStack(URLRouter([
+        path("v1/stream", InferenceConsumer.as_asgi()),
+        path("ws/tenants/<slug:slug>/adapters", AdapterEventsConsumer.as_asgi()),
+    ])),
 })

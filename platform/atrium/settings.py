@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "tenants",
     "adapters",
     "billing",
+    "requestlogs",
     "webui",
 ]
 
@@ -94,6 +95,10 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (web, worker, CLI) share the file under `atrium up`.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    # NOTE: the test database is a file too: Django's default in-memory one is shared
+    # between threads with table locks that fail at once instead of waiting, and the
+    # live-server tests run web, engine and Celery threads against it.
+    DATABASES["default"]["TEST"] = {"NAME": str(ATRIUM_HOME / "test.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # `atrium up` starts an embedded Redis and exports its URL before Django loads.
@@ -117,6 +122,34 @@ ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600
 # the engines read (a shared volume in production), and the largest rank accepted.
 ATRIUM_ADAPTER_STORE = Path(os.environ.get("ATRIUM_ADAPTER_STORE", ATRIUM_HOME / "adapters"))
 ATRIUM_MAX_LORA_RANK = int(os.environ.get("ATRIUM_MAX_LORA_RANK", "64"))
+# Where adapters' files live, behind Django's storage API (adapters/storage.py): "local"
+# (the folder above, which engines read directly) or "s3" (django-storages, with boto3
+# installed; engines then fetch over ATRIUM_ADAPTER_FETCH_URL with ATRIUM_ENGINE_TOKEN).
+ATRIUM_ADAPTER_STORAGE = os.environ.get("ATRIUM_ADAPTER_STORAGE", "local")
+if ATRIUM_ADAPTER_STORAGE == "s3":
+    _adapter_backend = {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
+        "bucket_name": os.environ.get("ATRIUM_ADAPTER_S3_BUCKET", ""),
+        "endpoint_url": os.environ.get("ATRIUM_ADAPTER_S3_ENDPOINT") or None,
+        "location": os.environ.get("ATRIUM_ADAPTER_S3_PREFIX", "adapters"),
+        "file_overwrite": False}}
+elif ATRIUM_ADAPTER_STORAGE == "local":
+    _adapter_backend = {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                        "OPTIONS": {"location": str(ATRIUM_ADAPTER_STORE)}}
+else:
+    raise ImproperlyConfigured("ATRIUM_ADAPTER_STORAGE must be 'local' or 's3'")
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "adapters": _adapter_backend,
+}
+# Shared secret engines present to fetch adapters from the platform (empty: no fetching).
+ATRIUM_ENGINE_TOKEN = os.environ.get("ATRIUM_ENGINE_TOKEN", "")
+# Uploads: the largest adapter accepted (archive or files, and what an archive expands
+# to), the largest chunk of a resumable upload, and how long an unfinished one is kept.
+ATRIUM_ADAPTER_MAX_UPLOAD_BYTES = int(os.environ.get("ATRIUM_ADAPTER_MAX_UPLOAD_BYTES",
+                                                     str(2 << 30)))
+ATRIUM_ADAPTER_CHUNK_BYTES = int(os.environ.get("ATRIUM_ADAPTER_CHUNK_BYTES", str(8 << 20)))
+ATRIUM_ADAPTER_UPLOAD_TTL_S = int(os.environ.get("ATRIUM_ADAPTER_UPLOAD_TTL_S", str(86400)))
 
 # API keys and members (docs/tenancy.md).
 # Seconds a key's state stays in the Redis key cache; changes rewrite it at once anyway.
@@ -127,6 +160,11 @@ ATRIUM_KEY_ROTATION_MAX_GRACE_S = 7 * 86400
 # How long an invitation can be accepted.
 ATRIUM_INVITATION_TTL_S = int(os.environ.get("ATRIUM_INVITATION_TTL_S", str(7 * 86400)))
 
+# Request logs (docs/request-logs.md): how long they are kept unless a tenant chooses
+# otherwise, and the longest a tenant may choose.
+ATRIUM_LOG_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_RETENTION_DAYS", "30"))
+ATRIUM_LOG_MAX_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_MAX_RETENTION_DAYS", "365"))
+
 # kombu spells a Redis unix socket redis+socket:///path
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
     "redis+socket://" + REDIS_URL.removeprefix("unix://").split("?")[0]
@@ -135,9 +173,15 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Celery keeps its hands off the root logger: LOGGING below (JSON, redacted) stays in force.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "engines-prune": {"task": "atrium.tasks.engines_prune", "schedule": 30.0},
     "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
+    "request-logs-expire": {"task": "requestlogs.tasks.request_logs_expire",
+                            "schedule": 3600.0},
+    "adapter-uploads-expire": {"task": "adapters.tasks.adapter_uploads_expire",
+                               "schedule": 3600.0},
 }
 
 # The management API (/api/v1/): a console session (CSRF enforced on unsafe methods) or
@@ -193,8 +237,8 @@ if PRODUCTION:
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    # Every line is JSON and passes through atrium.redaction (see atrium/jsonlog.py).
-    "formatters": {"json": {"()": "atrium.jsonlog.JsonFormatter"}},
+    # Every line is JSON and passes through redaction (redaction/jsonlog.py).
+    "formatters": {"json": {"()": "redaction.jsonlog.JsonFormatter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": os.environ.get("ATRIUM_LOG_LEVEL", "INFO")},
     # NOTE: django.request logs request paths only; bodies and headers never reach it.

@@ -258,3 +258,28 @@ def test_the_store_names_content_by_hash(adapters, tmp_path):
     assert store.put(folder) == stored and store.put(folder) == stored
     with pytest.raises(ValueError):
         store.path("../../etc/passwd")
+
+
+def test_a_deleted_adapter_is_let_go_of_once_idle(tiny_model_dir, store_root, adapters):
+    eng = engine(tiny_model_dir, store_root)
+    digest = adapters["all-r8"][1]
+    eng.add_request(adapter_request("a", PROMPTS[0], "all-r8", adapters))
+    drain(eng)
+    assert digest in eng.adapters and digest in eng.scheduler.slots.slot_of
+    eng.forget_adapter(digest)
+    assert digest not in eng.adapters and digest not in eng.scheduler.slots.slot_of
+
+
+def test_the_worker_hears_of_deleted_adapters(tiny_model_dir, store_root, adapters,
+                                              redis_client):
+    from engine.worker import Worker, WorkerConfig
+
+    eng = engine(tiny_model_dir, store_root)
+    digest = adapters["qv-r16"][1]
+    eng.adapters.load_now(digest)
+    worker = Worker(redis_client, eng, model_name="tiny", engine_id="e", config=WorkerConfig())
+    worker._adapter_events_id = worker._last_adapter_event_id()
+    redis_client.xadd(protocol.ADAPTER_EVENTS_STREAM,
+                      {"type": "deleted", "adapter_hash": digest})
+    worker.read_adapter_events()
+    assert digest not in eng.adapters

@@ -126,3 +126,19 @@ def tenant_key(transactional_db) -> TenantKey:
 
 def run_async(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture
+def adapter_store(settings, tmp_path) -> Iterator[Path]:
+    """A fresh adapter store (local storage backend) for the test, in a temporary folder."""
+    from django.core.files.storage import storages
+
+    root = tmp_path / "adapter-store"
+    settings.ATRIUM_ADAPTER_STORE = root
+    settings.STORAGES = {**settings.STORAGES, "adapters": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(root)}}}
+    storages._storages.pop("adapters", None)  # the handler caches backends by alias
+    storages.backends = settings.STORAGES
+    yield root
+    storages._storages.pop("adapters", None)

@@ -20,9 +20,8 @@ def trained(tiny_model_path, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def store(settings, tmp_path) -> Path:
-    settings.ATRIUM_ADAPTER_STORE = tmp_path / "store"
-    return settings.ATRIUM_ADAPTER_STORE
+def store(adapter_store) -> Path:
+    return adapter_store
 
 
 @pytest.fixture
