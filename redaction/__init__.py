@@ -2,36 +2,79 @@
 
     >>> redact("mail bob@example.com, card 4111 1111 1111 1111")
     'mail [EMAIL], card [CARD]'
+
+Pure Python and the standard library only, so every process can use it: the web
+and Celery processes (through Django's LOGGING and the request log), and the
+engine workers, which must not import Django (docs/request-logs.md).
 """
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from redaction.detectors import DETECTORS, Detector
 
-__all__ = ["Detector", "DETECTORS", "redact", "find"]
+__all__ = ["Detector", "DETECTORS", "redact", "redact_json", "find"]
+
+Span = tuple[int, int, str]
 
 
-def find(text: str, extra: Iterable[Detector] = ()) -> list[tuple[int, int, str]]:
-    """Non-overlapping (start, end, kind) spans, sorted; earlier detectors win overlaps."""
-    starts: list[int] = []  # the spans taken so far, kept sorted by start
-    spans: list[tuple[int, int, str]] = []
-    for det in (*DETECTORS, *extra):
-        for match in det.pattern.finditer(text):
-            start, end = match.span(det.group)
-            if start == end or (det.validate and not det.validate(match.group(det.group))):
-                continue
-            # NOTE: taken spans never overlap each other, so only the neighbours on
-            # either side of the insertion point can overlap this one.
-            at = bisect.bisect_left(starts, start)
-            if at > 0 and spans[at - 1][1] > start or at < len(spans) and spans[at][0] < end:
-                continue
-            starts.insert(at, start)
-            spans.insert(at, (start, end, det.kind))
+def _group_span(match: re.Match[str], group: int | tuple[int, ...]) -> tuple[int, int]:
+    if isinstance(group, int):
+        return match.span(group)
+    for g in group:
+        if match.start(g) != -1:
+            return match.span(g)
+    return 0, 0
+
+
+def _detect(text: str, det: Detector) -> list[Span]:
+    """One detector's spans, sorted and disjoint (finditer's matches never overlap)."""
+    spans = []
+    for match in det.pattern.finditer(text):
+        start, end = _group_span(match, det.group)
+        if start >= end:
+            continue
+        if det.split is not None:
+            spans.extend((start + a, start + b, det.kind) for a, b in det.split(text[start:end]))
+        elif det.validate is None or det.validate(text[start:end]):
+            spans.append((start, end, det.kind))
     return spans
+
+
+def _merge(taken: list[Span], new: list[Span]) -> list[Span]:
+    """``taken`` plus the spans of ``new`` that overlap none of it, sorted; one linear pass.
+
+    NOTE: both lists are sorted and disjoint within themselves, so a new span only has
+    to be checked against the first taken span that ends after it starts.
+    """
+    out: list[Span] = []
+    i = 0
+    for span in new:
+        start, end, _ = span
+        while i < len(taken) and taken[i][1] <= start:
+            out.append(taken[i])
+            i += 1
+        if i < len(taken) and taken[i][0] < end:
+            continue
+        out.append(span)
+    out.extend(taken[i:])
+    return out
+
+
+def find(text: str, extra: Iterable[Detector] = ()) -> list[Span]:
+    """Non-overlapping (start, end, kind) spans, sorted; earlier detectors win overlaps.
+
+    ``extra`` (a tenant's own detectors) run after the built-in ones.
+    """
+    taken: list[Span] = []
+    for det in (*DETECTORS, *extra):
+        found = _detect(text, det)
+        if found:
+            taken = _merge(taken, found) if taken else found
+    return taken
 
 
 def redact(text: str, extra: Iterable[Detector] = ()) -> str:
@@ -46,6 +89,24 @@ def redact(text: str, extra: Iterable[Detector] = ()) -> str:
     return "".join(out)
 
 
+def redact_json(value: Any, extra: Iterable[Detector] = ()) -> Any:
+    """Every string in a JSON-like value redacted, keys included; the structure kept.
+
+    NOTE: redact the strings, never the serialized document: in JSON a private key's
+    line breaks are the two characters backslash and n, which its detector would stop at.
+    """
+    extra = tuple(extra)
+    if isinstance(value, str):
+        return redact(value, extra)
+    if isinstance(value, dict):
+        return {redact(str(k), extra): redact_json(v, extra) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_json(v, extra) for v in value]
+    return value
+
+
 def tenant_detector(name: str, pattern: str) -> Detector:
-    """A tenant's own pattern, compiled as given; validation lives in the tenant app."""
-    return Detector(name.upper(), re.compile(pattern))
+    """A tenant's own pattern, checked and compiled by `redaction.custom`."""
+    from redaction.custom import compile_pattern
+
+    return Detector(name.upper(), compile_pattern(pattern))

@@ -1,23 +1,26 @@
 """Structured (JSON) log lines, every one passed through redaction.
 
-Used as the formatter of every handler in settings.LOGGING, so nothing a
-library logs (a request path with a key in it, an exception message quoting a
-prompt) reaches the output unredacted.
+Used as the formatter of every handler in settings.LOGGING (web, Celery) and by
+the engine workers (`configure_logging`, no Django), so nothing a library logs
+(a request path with a key in it, an exception message quoting a prompt)
+reaches the output unredacted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
-from typing import Any
+from typing import IO, Any
 
 from redaction import redact
 
 # Attributes every LogRecord has; anything else was passed through `extra=`.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-_SECRET_FIELDS = {"authorization", "api_key", "key", "password", "prompt", "messages",
-                  "completion", "cookie", "token"}
+_SECRET_FIELDS = {"authorization", "proxy-authorization", "api_key", "x-api-key", "key",
+                  "password", "secret", "prompt", "messages", "completion", "cookie",
+                  "set-cookie", "token"}
 
 
 def _clean(value: Any) -> Any:
@@ -48,3 +51,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str | int = "INFO", stream: IO[str] | None = None) -> None:
+    """For processes without Django (the engine worker): every line JSON and redacted."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper() if isinstance(level, str) else level)

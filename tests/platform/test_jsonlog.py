@@ -1,7 +1,7 @@
 import json
 import logging
 
-from atrium.jsonlog import JsonFormatter
+from redaction.jsonlog import JsonFormatter
 from tenants import keys
 
 

@@ -29,7 +29,7 @@ from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from atrium.inference import service
+from atrium.inference import requestlog, service
 from atrium.inference.auth import authenticate
 from atrium.inference.errors import ApiError, InvalidRequest
 
@@ -112,32 +112,48 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         task.add_done_callback(lambda _t, cid=client_id: self.tasks.pop(cid, None))
 
     async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
+        trace: requestlog.Trace | None = None
         try:
             principal = await authenticate(self.authorization)
+            # Logged when it ends, however it ends (requestlog.py).
+            trace = requestlog.Trace(principal, kind, transport="websocket")
+            trace.body = body
             prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
                 principal=principal, kind=kind, body=body)
+            trace.prepared = prepared
             admission = await service.admit(prepared)
             try:
                 dispatch = await service.open_dispatch(prepared)
             except BaseException:
                 await service.release(prepared, admission, None)
                 raise
-            async for chunk in service.stream_chunks(prepared, dispatch, admission):
+            trace.dispatch = dispatch
+            async for chunk in trace.observe(service.stream_chunks(prepared, dispatch,
+                                                                   admission)):
                 await self._send({"type": "chunk", "id": client_id, "data": chunk})
             await self._send({"type": "done", "id": client_id})
         except ApiError as exc:
+            if trace is not None:
+                trace.fail(exc)
             await self._error(client_id, exc)
         except asyncio.CancelledError:
+            if trace is not None:
+                trace.cancel()
             # stream_chunks' cleanup has told the engine; tell the client if it is still there.
             try:
                 await self._send({"type": "cancelled", "id": client_id})
             except Exception:  # noqa: BLE001 - the socket may be gone already
                 pass
             raise
-        except Exception:
+        except Exception as exc:
+            if trace is not None:
+                trace.fail(exc)
             log.exception("websocket request failed")
             await self._error(client_id, ApiError("internal error", status=500,
                                                   code="internal_error"))
+        finally:
+            if trace is not None:
+                trace.submit()
 
     async def _error(self, client_id: str | None, exc: ApiError) -> None:
         message = {"type": "error", "id": client_id, "status": exc.status,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
@@ -12,7 +13,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from atrium.inference import service
+from atrium.inference import requestlog, service
 from atrium.inference.auth import authenticate
 from atrium.inference.errors import ApiError, BodyTooLarge, InvalidRequest
 
@@ -68,9 +69,27 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
 
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
     principal = await authenticate(request.headers.get("Authorization"))
+    # Every authenticated request is logged when it ends (requestlog.py), however it ends.
+    trace = requestlog.Trace(principal, kind, transport="http")
+    try:
+        return await _serve(request, kind, trace)
+    except asyncio.CancelledError:
+        trace.cancel()
+        raise
+    except BaseException as exc:
+        trace.fail(exc)
+        raise
+    finally:
+        trace.close()
+
+
+async def _serve(request: HttpRequest, kind: service.Kind,
+                 trace: requestlog.Trace) -> HttpResponse:
+    trace.body = _json_body(request)
     # Tokenizing a long prompt is CPU work: keep it off the event loop.
     prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
-        principal=principal, kind=kind, body=_json_body(request))
+        principal=trace.principal, kind=kind, body=trace.body)
+    trace.prepared = prepared
     admission = await service.admit(prepared)
     headers = {"x-request-id": prepared.response_id, **admission.headers()}
     try:
@@ -79,16 +98,18 @@ async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
         except BaseException:
             await service.release(prepared, admission, None)
             raise
+        trace.dispatch = dispatch
         if prepared.params.stream:
             # The stream's own cleanup settles the admission when it ends, however it ends.
             response = StreamingHttpResponse(
-                _sse(service.stream_chunks(prepared, dispatch, admission)),
+                _sse(trace.observe(service.stream_chunks(prepared, dispatch, admission))),
                 content_type="text/event-stream", headers=headers)
             response["Cache-Control"] = "no-cache"
             response["X-Accel-Buffering"] = "no"
             return response
-        return JsonResponse(await service.collect(prepared, dispatch, admission),
-                            headers=headers)
+        result = await service.collect(prepared, dispatch, admission)
+        trace.completed(result)
+        return JsonResponse(result, headers=headers)
     except ApiError as exc:
         exc.headers = {**headers, **exc.headers}
         raise
