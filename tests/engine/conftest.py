@@ -23,7 +23,7 @@ def _with_db(url: str, db: int) -> str:
     parts = urlsplit(url)
     if parts.scheme == "unix":
         query = dict(parse_qsl(parts.query)) | {"db": str(db)}
-        return urlunsplit(parts._replace(query=urlencode(query)))
+        return f"unix://{parts.path}?{urlencode(query)}"
     return urlunsplit(parts._replace(path=f"/{db}"))
 
 
@@ -37,10 +37,9 @@ def _reachable(url: str) -> bool:
 
 @pytest.fixture(scope="session")
 def engine_redis_url() -> str:
-    """The local Redis on 127.0.0.1:6379, else the suite's own (embedded) one, in db 14."""
-    url = os.environ.get("ATRIUM_ENGINE_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
-    if not _reachable(url) and os.environ.get("REDIS_URL"):
-        url = _with_db(os.environ["REDIS_URL"], ENGINE_TEST_DB)
+    """Database 14 of the suite's Redis (REDIS_URL: CI's server, else the embedded one)."""
+    url = os.environ.get("ATRIUM_ENGINE_TEST_REDIS_URL") or _with_db(os.environ["REDIS_URL"],
+                                                                      ENGINE_TEST_DB)
     if not _reachable(url):
         pytest.fail(f"no Redis at {url}")
     return url
