@@ -222,9 +222,8 @@ def test_bearer_tokens_of_any_length_are_redacted(scheme, token):
        st.sampled_from(["Authorization: {s}{v}", '"Authorization": "{s}{v}"',
                         "{{'authorization': '{s}{v}'}}", "Proxy-Authorization: {s}{v}"]))
 def test_authorization_headers_are_redacted_whatever_the_scheme(scheme, value, shape):
-    text = shape.format(s=f"{scheme} " if scheme else "", v=value)
-    out = redact(text)
-    assert "[SECRET]" in out and value not in out.replace("[SECRET]", "")
+    shown = f"{scheme} " if scheme else ""
+    assert redact(shape.format(s=shown, v=value)) == shape.format(s=shown, v="[SECRET]")
 
 
 @pytest.mark.parametrize("text, expected", [
