@@ -1,5 +1,8 @@
 import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 from redaction.jsonlog import JsonFormatter
 from tenants import keys
@@ -36,3 +39,47 @@ def test_exception_text_is_redacted():
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "boom", (), sys.exc_info())
     line = json.loads(JsonFormatter().format(record))
     assert "123-45-6789" not in line["exc"] and "[SSN]" in line["exc"]
+
+
+# --- every process logs JSON through redaction ----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _json_lines(stderr: str) -> list[dict]:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]  # fails on any line that is not JSON
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=True)
+
+
+def test_the_engine_worker_logs_json_through_redaction_without_django():
+    out = _run(
+        "import logging, sys\n"
+        "import engine.worker as worker\n"
+        "worker.run_worker = lambda **kw: logging.getLogger('engine.worker').warning(\n"
+        "    'auth header was %s', 'Bearer abc123secret')\n"
+        "worker.main(['--model-dir', '/nonexistent'])\n"
+        "print('django' in sys.modules)\n")
+    [line] = [entry for entry in _json_lines(out.stderr) if entry["logger"] == "engine.worker"]
+    assert line["msg"] == "auth header was Bearer [SECRET]" and line["level"] == "WARNING"
+    assert out.stdout.strip() == "False"
+
+
+def test_celery_keeps_the_json_root_logger_for_its_own_and_task_loggers():
+    out = _run(
+        "import logging, django\n"
+        "django.setup()\n"
+        "from atrium.celery import app\n"
+        "from celery.utils.log import get_task_logger\n"
+        "app.log.setup(loglevel='INFO', redirect_stdouts=True)\n"
+        "logging.getLogger('celery.worker').info('card %s', '4111 1111 1111 1111')\n"
+        "get_task_logger('requestlogs.tasks').warning('retrying with password=hunter22')\n"
+        "print(type(logging.getLogger().handlers[0].formatter).__name__)\n")
+    assert out.stdout.strip() == "JsonFormatter"
+    lines = {entry["logger"]: entry["msg"] for entry in _json_lines(out.stderr)}
+    assert lines["celery.worker"] == "card [CARD]"
+    assert lines["requestlogs.tasks"] == "retrying with password=[SECRET]"
