@@ -133,7 +133,7 @@ _SECRET_NAMES = (
     r"credentials?|connection[_-]?string"
 )
 # After the name: a closing quote (JSON, dicts, escaped JSON), then = : => := or ==.
-_ASSIGN = r"(?:\\?[\"'])?+[ \t]{0,8}+(?:=>|:=|==|[:=])[ \t]{0,8}+"
+_ASSIGN = r"(?:\\?[\"'])?+\]?+[ \t]{0,8}+(?:=>|:=|==|[:=])[ \t]{0,8}+"
 # The value: quoted (any characters up to the quote) or bare (up to a space or delimiter).
 _VALUE = (r"(?:\\?\"([^\"\\\r\n]{1,256}+)|\\?'([^'\\\r\n]{1,256}+)"
           r"|([^\s\"'`,;&|<>(){}\[\]\\=][^\s\"'`,;&|<>(){}\[\]\\]{0,255}+))")
@@ -147,7 +147,9 @@ DETECTORS: tuple[Detector, ...] = (
         r"-----BEGIN (?:[A-Z0-9]{1,20} ){0,3}PRIVATE KEY(?: BLOCK)?-----"
         r"(?:[A-Za-z0-9+/=\s:,]|-(?!-)){0,16384}+"  # base64 and Proc-Type/DEK-Info lines
         r"(?:-----END (?:[A-Z0-9]{1,20} ){0,3}PRIVATE KEY(?: BLOCK)?-----)?")),
-    Detector("API_KEY", re.compile(_B + r"atr_[A-Za-z0-9]{36}" + _E)),
+    # Atrium keys are atr_ + 36 characters; a longer or mangled one is still a key, while
+    # the 12-character prefix shown in lists and logs is not matched.
+    Detector("API_KEY", re.compile(_B + r"atr_[A-Za-z0-9]{30,64}+" + _E)),
     Detector("API_KEY", re.compile(_B + r"atrinv_[A-Za-z0-9_-]{20,64}+")),
     Detector("AWS_KEY", re.compile(_B + r"(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}" + _E)),
     Detector("GITHUB_TOKEN", re.compile(
@@ -173,7 +175,7 @@ DETECTORS: tuple[Detector, ...] = (
         _NAME_START + r"(?i:" + _SECRET_NAMES + r")" + _ASSIGN + _VALUE), group=(1, 2, 3)),
     # A password in a URL: scheme://user:password@host.
     Detector("SECRET", re.compile(
-        r"(?<=://)[^\s/:@]{1,128}+:([^\s/@]{1,256}+)@"), group=1),
+        r"(?<=://)[^\s/:@]{0,128}+:([^\s/@]{1,256}+)@"), group=1),
     Detector("IBAN", re.compile(
         _B + r"[A-Z]{2}\d{2}(?: ?+[A-Z0-9]{4}){2,7}+(?: ?+[A-Z0-9]{1,4})?+" + _E), _iban),
     # Runs of digit groups; card_spans picks the Luhn-valid card numbers out of a run.
@@ -188,7 +190,7 @@ DETECTORS: tuple[Detector, ...] = (
         r"(?<![0-9A-Za-z_:])(?:[0-9A-Fa-f]{0,4}:){2,7}+[0-9A-Fa-f]{0,4}(?![0-9A-Za-z_:])"),
         _ipv6),
     Detector("PHONE", re.compile(
-        r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?+(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])"
+        r"(?<![\w+./-])(?:\+\d{1,3}[ .-]?)?+(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])"
         r"\d{3,4}[ .-]?\d{3,4}(?!\w)"), _phone),
     # International numbers written in pairs or small groups: +33 1 23 45 67 89.
     Detector("PHONE", re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?+\d{1,4}+){2,7}+(?![\w])"),
