@@ -30,11 +30,35 @@ def _group_span(match: re.Match[str], group: int | tuple[int, ...]) -> tuple[int
     return 0, 0
 
 
-def _detect(text: str, det: Detector) -> list[Span]:
+_CASE_SENSITIVE: dict[re.Pattern[str], re.Pattern[str]] = {}
+
+
+def _case_sensitive(pattern: re.Pattern[str]) -> re.Pattern[str]:
+    """A folded detector's pattern without IGNORECASE, for lower-cased text."""
+    found = _CASE_SENSITIVE.get(pattern)
+    if found is None:
+        found = _CASE_SENSITIVE[pattern] = re.compile(pattern.pattern,
+                                                      pattern.flags & ~re.IGNORECASE)
+    return found
+
+
+def _detect(text: str, lowered: str, det: Detector) -> list[Span]:
     """One detector's spans, sorted and disjoint (finditer's matches never overlap)."""
-    spans = []
-    for match in det.pattern.finditer(text):
+    if det.triggers and not any(t in lowered for t in det.triggers):
+        return []
+    if det.fold and len(lowered) == len(text):
+        # NOTE: same length, so every position in the lower-cased text is the original's.
+        matches = _case_sensitive(det.pattern).finditer(lowered)
+    else:
+        matches = det.pattern.finditer(text)
+    spans: list[Span] = []
+    for match in matches:
         start, end = _group_span(match, det.group)
+        if det.widen is not None:
+            widened = det.widen(text, start)
+            if widened is None or (spans and widened < spans[-1][1]):
+                continue
+            start = widened
         if start >= end:
             continue
         if det.split is not None:
@@ -70,8 +94,9 @@ def find(text: str, extra: Iterable[Detector] = ()) -> list[Span]:
     ``extra`` (a tenant's own detectors) run after the built-in ones.
     """
     taken: list[Span] = []
+    lowered = text.lower()
     for det in (*DETECTORS, *extra):
-        found = _detect(text, det)
+        found = _detect(text, lowered, det)
         if found:
             taken = _merge(taken, found) if taken else found
     return taken

@@ -246,6 +246,13 @@ def test_assignments_and_bearer_tokens_keep_their_name(text, expected):
     assert redact(text) == expected
 
 
+def test_text_whose_lower_case_is_longer_is_redacted_the_same():
+    # "İ".lower() is two characters: the folded detectors fall back to IGNORECASE.
+    for prefix in ("İstanbul: ", "Istanbul: "):
+        assert redact(f"{prefix}PASSWORD=hunter2 and bearer abc123") == \
+            f"{prefix}PASSWORD=[SECRET] and bearer [SECRET]"
+
+
 def test_atrium_invitation_tokens_are_secrets():
     assert redact("accept atrinv_Zm9vYmFyYmF6cXV4cXV1eDEyMzQ1Njc4 now") == "accept [API_KEY] now"
 
@@ -298,6 +305,15 @@ ADVERSARIAL = [
     "'+1 ' * 60_000",
     "'://a:' * 40_000",
     "'sk-' * 60_000",
+    "'a' * 150_000 + '@x.io'",
+    "'@x.io' * 40_000",
+    "'ab.' * 60_000 + '@x.io'",
+    "'1a:' * 60_000",
+    "'fe80:' * 40_000",
+    "'123-12-1234-' * 15_000",
+    "'passwordpassword' * 12_000",
+    "'PASSWORD: ' * 20_000",
+    "'İ' * 100_000 + 'password=x'",
 ]
 TIME_BOUND_S = 2.0  # linear patterns take well under a second on 200 kB
 
