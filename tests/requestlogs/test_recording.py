@@ -84,12 +84,15 @@ def test_token_id_prompts_are_decoded_before_redaction(api_server, tenant_key, s
 
     _keep_bodies(tenant_key)
     ids = served_models()[served_model].encode_prompt(f"card {CARD}")
-    r = _post(api_server, tenant_key.key, "/v1/completions",
-              {"model": served_model, "prompt": ids, "max_tokens": 64})
-    assert r.status_code == 200
-    [entry] = wait_for_logs(1)
-    assert isinstance(entry.prompt, str) and "[CARD]" in entry.prompt
-    assert CARD not in entry.prompt
+    for prompt in (ids, [ids]):
+        r = _post(api_server, tenant_key.key, "/v1/completions",
+                  {"model": served_model, "prompt": prompt, "max_tokens": 64})
+        assert r.status_code == 200
+    flat, nested = wait_for_logs(2)
+    assert isinstance(flat.prompt, str) and "[CARD]" in flat.prompt
+    assert nested.prompt == [flat.prompt]
+    assert CARD not in json.dumps([flat.prompt, nested.prompt])
+    assert not any(str(t) in json.dumps(nested.prompt) for t in ids if t > 999)
 
 
 @pytest.mark.parametrize("body, status, code", [

@@ -133,14 +133,23 @@ class Trace:
             log.warning("request log writes are falling behind: %d pending", len(_pending))
 
     def _prompt(self) -> Any:
-        """The prompt as the client sent it: a string or chat messages. Token ids are
-        decoded first (redaction reads text); an undecodable prompt is not kept."""
+        """The prompt as the client sent it: a string, chat messages, or token ids. Token
+        ids, however nested, are decoded (redaction reads text) or, without a tokenizer
+        (the request was refused before parsing), dropped: they are never stored."""
         body = self.body if isinstance(self.body, dict) else {}
-        prompt = body.get("messages") if self.kind == "chat" else body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            model = getattr(self.prepared, "model", None)
-            return model.tokenizer.decode(prompt) if model is not None else None
-        return prompt if isinstance(prompt, str | list) else None
+        model = getattr(self.prepared, "model", None)
+
+        def text_of(value: Any) -> Any:
+            if isinstance(value, list) and value and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in value):
+                return model.tokenizer.decode(value) if model is not None else None
+            if isinstance(value, list):
+                return [text_of(v) for v in value]
+            if isinstance(value, dict):
+                return {k: text_of(v) for k, v in value.items()}
+            return value if isinstance(value, str) else None
+
+        return text_of(body.get("messages") if self.kind == "chat" else body.get("prompt"))
 
     def entry(self) -> RequestLogEntry:
         prepared, dispatch = self.prepared, self.dispatch
