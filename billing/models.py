@@ -4,7 +4,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from tenants.models import Tenant
+from tenants.models import Plan, Tenant, TenantOwnedQuerySet
 
 
 class Price(models.Model):
@@ -56,6 +56,9 @@ class UsageRecord(models.Model):
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     total_ms = models.PositiveIntegerField(null=True, blank=True)
     occurred_at = models.DateTimeField(db_index=True)
+    # The month (its first day) whose invoice bills this record: the month it occurred
+    # in, or the open month when that month's invoice was already finalized.
+    billing_period = models.DateField()
     currency = models.CharField(max_length=3, default="USD")
     input_cost = models.DecimalField(max_digits=20, decimal_places=6)
     cached_input_cost = models.DecimalField(max_digits=20, decimal_places=6)
@@ -69,6 +72,8 @@ class UsageRecord(models.Model):
                                   related_name="+")
     recorded_at = models.DateTimeField(default=timezone.now)
 
+    objects = TenantOwnedQuerySet.as_manager()
+
     class Meta:
         constraints = [models.CheckConstraint(condition=Q(cached_tokens__lte=models.F(
             "prompt_tokens")), name="cached_tokens_within_prompt")]
@@ -76,3 +81,203 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id}: {self.cost} {self.currency}"
+
+
+class UsageDeadLetter(models.Model):
+    """A usage report the ledger refused (undecodable, impossible, an unknown tenant).
+
+    Recorded and acknowledged so it never blocks the reports behind it; an operator
+    reads the reason here (and in the log) and decides. Never retried by itself.
+    """
+
+    # The report's id in the usage stream: recording it twice is a no-op.
+    entry_id = models.CharField(max_length=64, unique=True)
+    request_id = models.CharField(max_length=200, blank=True, default="")
+    tenant_ref = models.CharField(max_length=64, blank=True, default="")
+    reason = models.CharField(max_length=500)
+    # The stream entry as received (usage counts and ids, never prompt text), cut at 8 KiB.
+    payload = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    def __str__(self) -> str:
+        return f"{self.entry_id}: {self.reason}"
+
+
+class UsageRollup(models.Model):
+    """The ledger summed per tenant, UTC day, billing period, model, adapter, key and prices.
+
+    Written in the same transaction as the records it sums, so it never disagrees
+    with the ledger. Invoices, the usage API's daily buckets and the spend counters
+    read these instead of the ledger.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="+")
+    day = models.DateField()
+    billing_period = models.DateField()
+    model = models.CharField(max_length=200)
+    adapter = models.CharField(max_length=200, blank=True, default="")
+    # NOTE: 0, not null, for "no key" and "no price": NULLs never conflict in a unique
+    # index, and the upsert needs these rows to conflict.
+    api_key_id = models.BigIntegerField(default=0)
+    price_ref = models.BigIntegerField(default=0)
+    surcharge_ref = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    input_cost = models.DecimalField(max_digits=24, decimal_places=6, default=0)
+    cached_input_cost = models.DecimalField(max_digits=24, decimal_places=6, default=0)
+    output_cost = models.DecimalField(max_digits=24, decimal_places=6, default=0)
+    cost = models.DecimalField(max_digits=24, decimal_places=6, default=0)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(
+            fields=["tenant", "day", "billing_period", "model", "adapter", "api_key_id",
+                    "price_ref", "surcharge_ref"], name="one_rollup_per_group")]
+        indexes = [models.Index(fields=["tenant", "billing_period"]),
+                   models.Index(fields=["billing_period"])]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.day} {self.model}: {self.cost}"
+
+
+class Invoice(models.Model):
+    """One per tenant per billing period: a draft while the period is open, then final.
+
+    A draft's lines are computed from the rollups when read; finalizing writes them
+    (`InvoiceLine`) and the totals, and they never change again.
+    """
+
+    class Status(models.TextChoices):
+        DRAFT = "draft"
+        FINALIZED = "finalized"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="invoices")
+    number = models.CharField(max_length=32, unique=True)
+    period_start = models.DateField()
+    period_end = models.DateField()
+    currency = models.CharField(max_length=3)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DRAFT)
+    # Set when finalized; a draft's totals are computed when read.
+    total = models.DecimalField(max_digits=18, decimal_places=2, null=True, blank=True)
+    exact_total = models.DecimalField(max_digits=24, decimal_places=6, null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    finalized_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "period_start"],
+                                               name="one_invoice_per_tenant_and_period")]
+        indexes = [models.Index(fields=["status", "period_end"])]
+
+    def __str__(self) -> str:
+        return self.number
+
+
+class InvoiceLine(models.Model):
+    """Tokens of one class, for one model and adapter, at one unit price."""
+
+    class TokenClass(models.TextChoices):
+        INPUT = "input"
+        CACHED_INPUT = "cached_input"
+        OUTPUT = "output"
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
+    position = models.PositiveIntegerField()
+    model = models.CharField(max_length=200)
+    adapter = models.CharField(max_length=200, blank=True, default="")
+    token_class = models.CharField(max_length=16, choices=TokenClass.choices)
+    units = models.BigIntegerField()
+    # Per million tokens: the base price plus the adapter's surcharge, if any.
+    unit_price = models.DecimalField(max_digits=18, decimal_places=6)
+    # The records' costs added exactly, then the amount billed (largest remainder, cents).
+    exact_amount = models.DecimalField(max_digits=24, decimal_places=6)
+    amount = models.DecimalField(max_digits=18, decimal_places=2)
+    price = models.ForeignKey(Price, on_delete=models.PROTECT, null=True, blank=True,
+                              related_name="+")
+    surcharge = models.ForeignKey(Price, on_delete=models.PROTECT, null=True, blank=True,
+                                  related_name="+")
+
+    class Meta:
+        ordering = ["position"]
+        constraints = [models.UniqueConstraint(fields=["invoice", "position"],
+                                               name="one_line_per_position")]
+
+    def __str__(self) -> str:
+        return f"{self.invoice_id}#{self.position} {self.model} {self.token_class}"
+
+
+class SpendCap(models.Model):
+    """A monthly spending limit: a plan's default, or one tenant's own, which replaces it.
+
+    A tenant's row with no limit means "no cap for this tenant", whatever its plan says.
+    """
+
+    plan = models.OneToOneField(Plan, on_delete=models.CASCADE, null=True, blank=True,
+                                related_name="+")
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, null=True, blank=True,
+                                  related_name="+")
+    monthly_limit = models.DecimalField(max_digits=14, decimal_places=2, null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(plan__isnull=False, tenant__isnull=True)
+                                   | Q(plan__isnull=True, tenant__isnull=False),
+                                   name="spend_cap_of_a_plan_or_a_tenant"),
+            models.CheckConstraint(condition=Q(monthly_limit__isnull=True)
+                                   | Q(monthly_limit__gte=0), name="spend_cap_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"cap {self.monthly_limit} of {self.plan_id or self.tenant_id}"
+
+
+class Export(models.Model):
+    """A file of a tenant's billing data for a time range, built by a Celery task."""
+
+    class Kind(models.TextChoices):
+        LEDGER = "ledger"
+        INVOICES = "invoices"
+        METER_EVENTS = "meter_events"
+
+    class Format(models.TextChoices):
+        CSV = "csv"
+        JSONL = "jsonl"
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        EXPIRED = "expired"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    format = models.CharField(max_length=8, choices=Format.choices)
+    start = models.DateTimeField()
+    end = models.DateTimeField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    rows = models.BigIntegerField(default=0)
+    size_bytes = models.BigIntegerField(default=0)
+    sha256 = models.CharField(max_length=64, blank=True, default="")
+    file_name = models.CharField(max_length=300, blank=True, default="")
+    error = models.CharField(max_length=500, blank=True, default="")
+    requested_by = models.CharField(max_length=300, blank=True, default="")
+    attempts = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-created_at"]),
+                   models.Index(fields=["status", "expires_at"])]
+
+    def __str__(self) -> str:
+        return f"export {self.pk} ({self.kind}, {self.format})"

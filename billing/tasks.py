@@ -1,8 +1,11 @@
+"""Billing's Celery tasks: entry points that call one service each; all idempotent."""
+
 from __future__ import annotations
 
 from celery import shared_task
 
 from atrium.redis import sync_client
+from billing import services
 from billing.ingest import drain
 
 
@@ -10,3 +13,27 @@ from billing.ingest import drain
 def usage_ingest() -> int:
     """Moves engine usage reports into the ledger; idempotent, so retries are safe."""
     return drain(sync_client())
+
+
+@shared_task(name="billing.tasks.spend_reconcile", acks_late=True)
+def spend_reconcile() -> int:
+    """Sets the Redis spend counters and caps from the rollups and the caps' table."""
+    return services.spend_reconcile()
+
+
+@shared_task(name="billing.tasks.invoices_close", acks_late=True)
+def invoices_close() -> int:
+    """Opens this period's drafts; finalizes drafts whose period and grace are over."""
+    return services.invoices_close()
+
+
+@shared_task(name="billing.tasks.export_build", acks_late=True)
+def export_build(export_id: int) -> int:
+    """Builds one export's file. Redelivered after a worker died mid-build, it builds it
+    again; after success or failure it does nothing (a failed export is asked for anew)."""
+    return services.export_build(export_id=export_id).rows
+
+
+@shared_task(name="billing.tasks.exports_expire", acks_late=True)
+def exports_expire() -> int:
+    return services.exports_expire()

@@ -8,6 +8,7 @@ and the demo model the project builds itself.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -170,6 +171,19 @@ ATRIUM_INVITATION_TTL_S = int(os.environ.get("ATRIUM_INVITATION_TTL_S", str(7 * 
 ATRIUM_LOG_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_RETENTION_DAYS", "30"))
 ATRIUM_LOG_MAX_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_MAX_RETENTION_DAYS", "365"))
 
+# Billing (docs/billing.md): the one currency prices and invoices are in, how long after
+# its month ends an invoice is finalized (late usage reports still land in it), and
+# exports: where their files go, how long they are kept, the longest range one may cover.
+ATRIUM_BILLING_CURRENCY = os.environ.get("ATRIUM_BILLING_CURRENCY", "USD").upper()
+if not re.fullmatch(r"[A-Z]{3}", ATRIUM_BILLING_CURRENCY):
+    raise ImproperlyConfigured("ATRIUM_BILLING_CURRENCY must be an ISO 4217 code like USD")
+ATRIUM_INVOICE_GRACE_S = int(os.environ.get("ATRIUM_INVOICE_GRACE_S", "3600"))
+ATRIUM_EXPORT_DIR = Path(os.environ.get("ATRIUM_EXPORT_DIR", ATRIUM_HOME / "exports"))
+ATRIUM_EXPORT_TTL_S = int(os.environ.get("ATRIUM_EXPORT_TTL_S", str(7 * 86400)))
+ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
+STORAGES["billing-exports"] = {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                               "OPTIONS": {"location": str(ATRIUM_EXPORT_DIR)}}
+
 # kombu spells a Redis unix socket redis+socket:///path
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
     "redis+socket://" + REDIS_URL.removeprefix("unix://").split("?")[0]
@@ -183,6 +197,9 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "engines-prune": {"task": "atrium.tasks.engines_prune", "schedule": 30.0},
     "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
+    "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
+    "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},
+    "billing-exports-expire": {"task": "billing.tasks.exports_expire", "schedule": 3600.0},
     "request-logs-expire": {"task": "requestlogs.tasks.request_logs_expire",
                             "schedule": 3600.0},
     "adapter-uploads-expire": {"task": "adapters.tasks.adapter_uploads_expire",

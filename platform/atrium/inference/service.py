@@ -188,6 +188,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
             max_tokens=params.max_tokens, temperature=params.temperature,
             top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=params.stop),
         tenant_id=str(principal.tenant_id),
+        api_key_id=principal.api_key_id,
         cache_salt=cache_salt(tenant_id=principal.tenant_id, model=model.name,
                               adapter_hash=adapter.content_hash if adapter else None),
         adapter=adapter.display_name if adapter else None,

@@ -1,0 +1,287 @@
+"""Reads of billing: prices, usage buckets, spend, invoices (a draft computed live), exports.
+
+Everything tenant-owned is reached through the tenant (``.for_tenant``); another
+tenant's id is NotFound, never "forbidden", so its existence is not confirmed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db.models import Count, QuerySet, Sum
+from django.db.models.functions import TruncHour
+from django.utils import timezone
+
+from atrium.errors import NotFound
+from billing.models import (
+    Export,
+    Invoice,
+    Price,
+    SpendCap,
+    UsageDeadLetter,
+    UsageRecord,
+    UsageRollup,
+)
+from billing.money import allocate_cents
+from billing.periods import day_start, period_after, period_of
+from tenants.facade import tenant_plans
+
+# --- prices --------------------------------------------------------------------------------
+
+
+def price_list(*, model: str | None = None, adapter: str | None = None) -> QuerySet[Price]:
+    prices = Price.objects.order_by("model", "adapter", "currency", "effective_from", "id")
+    if model is not None:
+        prices = prices.filter(model=model)
+    if adapter is not None:
+        prices = prices.filter(adapter=adapter)
+    return prices
+
+
+# --- usage ---------------------------------------------------------------------------------
+
+WIDTHS = {"1h": timedelta(hours=1), "1d": timedelta(days=1)}
+GROUP_FIELDS = ("model", "adapter", "api_key_id")
+
+
+@dataclass(frozen=True, slots=True)
+class UsageQuery:
+    """Buckets [start, end) of one width (both aligned to it), grouped and filtered."""
+
+    start: datetime
+    end: datetime
+    width: str
+    group_by: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
+    api_key_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.width not in WIDTHS:
+            raise ValueError(f"unknown bucket width {self.width!r}")
+        if set(self.group_by) - set(GROUP_FIELDS):
+            raise ValueError("unknown group_by field")
+
+
+@dataclass(frozen=True, slots=True)
+class UsageResult:
+    requests: int
+    input_tokens: int  # cached ones included, as OpenAI counts them
+    cached_tokens: int
+    output_tokens: int
+    cost: Decimal
+    model: str | None = None
+    adapter: str | None = None
+    api_key_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UsageBucket:
+    start: datetime
+    end: datetime
+    results: list[UsageResult] = field(default_factory=list)
+
+
+def usage_buckets(*, tenant, query: UsageQuery) -> list[UsageBucket]:
+    """The tenant's usage in each bucket: 1d from the daily rollups, 1h from the ledger."""
+    group = [g for g in GROUP_FIELDS if g in query.group_by]
+    if query.width == "1d":
+        rows = UsageRollup.objects.for_tenant(tenant).filter(
+            day__gte=query.start.date(), day__lt=query.end.date())
+        when, requests = "day", Sum("requests")
+        if query.api_key_ids:
+            rows = rows.filter(api_key_id__in=query.api_key_ids)
+    else:
+        rows = (UsageRecord.objects.for_tenant(tenant)
+                .filter(occurred_at__gte=query.start, occurred_at__lt=query.end)
+                .annotate(hour=TruncHour("occurred_at", tzinfo=UTC)))
+        when, requests = "hour", Count("id")
+        if query.api_key_ids:
+            rows = rows.filter(api_key_id__in=query.api_key_ids)
+    if query.models:
+        rows = rows.filter(model__in=query.models)
+    if query.adapters:
+        rows = rows.filter(adapter__in=query.adapters)
+    grouped = (rows.values(when, *group)
+               .annotate(n=requests, prompt=Sum("prompt_tokens"), cached=Sum("cached_tokens"),
+                         completion=Sum("completion_tokens"), total_cost=Sum("cost"))
+               .order_by(when, *group))
+    step = WIDTHS[query.width]
+    buckets: dict[datetime, UsageBucket] = {}
+    moment = query.start
+    while moment < query.end:
+        buckets[moment] = UsageBucket(start=moment, end=moment + step)
+        moment += step
+    for row in grouped:
+        start = day_start(row["day"]) if when == "day" else row["hour"].astimezone(UTC)
+        keys = {g: row[g] for g in group}
+        if "api_key_id" in keys:
+            keys["api_key_id"] = keys["api_key_id"] or None  # rollups say 0 for "no key"
+        buckets[start].results.append(UsageResult(
+            requests=row["n"], input_tokens=row["prompt"], cached_tokens=row["cached"],
+            output_tokens=row["completion"], cost=row["total_cost"] or Decimal(0), **keys))
+    return list(buckets.values())
+
+
+# --- spend ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SpendSummary:
+    """A tenant's spend in the open period against its monthly cap."""
+
+    period_start: date
+    period_end: date
+    currency: str
+    spent: Decimal
+    cap: Decimal | None
+    cap_source: str | None  # "tenant", "plan", or None (no cap)
+
+    @property
+    def remaining(self) -> Decimal | None:
+        return None if self.cap is None else max(self.cap - self.spent, Decimal(0))
+
+
+def spend_caps_effective(*, tenant_ids: Iterable[int] | None = None
+                         ) -> dict[int, Decimal | None]:
+    """Each tenant's monthly cap: its own if set (None there: uncapped), else its plan's."""
+    return {t: cap for t, (cap, _) in _caps_with_source(tenant_ids).items()}
+
+
+def _caps_with_source(tenant_ids: Iterable[int] | None
+                      ) -> dict[int, tuple[Decimal | None, str | None]]:
+    plans = tenant_plans(tenant_ids)
+    own = SpendCap.objects.filter(tenant__isnull=False)
+    if tenant_ids is not None:
+        own = own.filter(tenant_id__in=list(plans))
+    own_caps = dict(own.values_list("tenant_id", "monthly_limit"))
+    plan_caps = dict(SpendCap.objects.filter(plan_id__in=set(plans.values()))
+                     .values_list("plan_id", "monthly_limit"))
+    out: dict[int, tuple[Decimal | None, str | None]] = {}
+    for tenant_id, plan_id in plans.items():
+        if tenant_id in own_caps:
+            cap = own_caps[tenant_id]
+            out[tenant_id] = (cap, "tenant" if cap is not None else None)
+        elif plan_caps.get(plan_id) is not None:
+            out[tenant_id] = (plan_caps[plan_id], "plan")
+        else:
+            out[tenant_id] = (None, None)
+    return out
+
+
+def spend_summary(*, tenant, now: datetime | None = None) -> SpendSummary:
+    period = period_of(now or timezone.now())
+    spent = (UsageRollup.objects.for_tenant(tenant).filter(billing_period=period)
+             .aggregate(total=Sum("cost"))["total"]) or Decimal(0)
+    cap, source = _caps_with_source([tenant.pk])[tenant.pk]
+    return SpendSummary(period_start=period, period_end=period_after(period),
+                        currency=settings.ATRIUM_BILLING_CURRENCY, spent=spent, cap=cap,
+                        cap_source=source)
+
+
+# --- invoices ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class InvoiceLineView:
+    model: str
+    adapter: str
+    token_class: str
+    units: int
+    unit_price: Decimal  # per million tokens
+    exact_amount: Decimal
+    amount: Decimal
+    price_id: int | None
+    surcharge_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class InvoiceView:
+    invoice: Invoice
+    lines: list[InvoiceLineView]
+    exact_total: Decimal
+    total: Decimal
+
+
+# Token class -> the Price field that prices it.
+_PER_MILLION = {"input": "input_per_million", "cached_input": "cached_input_per_million",
+                "output": "output_per_million"}
+
+
+def invoice_lines_compute(*, tenant_id: int, period: date) -> list[InvoiceLineView]:
+    """A period's lines from the rollups: per model, adapter, token class and unit price,
+    amounts in cents that add up to the records' exact total (money.allocate_cents)."""
+    groups = list(
+        UsageRollup.objects.filter(tenant_id=tenant_id, billing_period=period)
+        .values("model", "adapter", "price_ref", "surcharge_ref")
+        .annotate(prompt=Sum("prompt_tokens"), cached=Sum("cached_tokens"),
+                  completion=Sum("completion_tokens"), input_sum=Sum("input_cost"),
+                  cached_sum=Sum("cached_input_cost"), output_sum=Sum("output_cost"))
+        .order_by("model", "adapter", "price_ref", "surcharge_ref"))
+    prices = Price.objects.in_bulk({g["price_ref"] for g in groups}
+                                   | {g["surcharge_ref"] for g in groups})
+    drafts = []
+    for g in groups:
+        base, surcharge = prices.get(g["price_ref"]), prices.get(g["surcharge_ref"])
+        units = {"input": g["prompt"] - g["cached"], "cached_input": g["cached"],
+                 "output": g["completion"]}
+        exact = {"input": g["input_sum"], "cached_input": g["cached_sum"],
+                 "output": g["output_sum"]}
+        for token_class, price_field in _PER_MILLION.items():
+            if not units[token_class] and not exact[token_class]:
+                continue
+            unit_price = sum((getattr(p, price_field) for p in (base, surcharge)
+                              if p is not None), Decimal(0))
+            drafts.append((g["model"], g["adapter"], token_class, units[token_class], unit_price,
+                           exact[token_class] or Decimal(0), base, surcharge))
+    amounts = allocate_cents([d[5] for d in drafts])
+    return [InvoiceLineView(model=m, adapter=a, token_class=c, units=u, unit_price=p,
+                            exact_amount=e, amount=amount,
+                            price_id=b.pk if b else None, surcharge_id=s.pk if s else None)
+            for (m, a, c, u, p, e, b, s), amount in zip(drafts, amounts, strict=True)]
+
+
+def invoice_list(*, tenant) -> QuerySet[Invoice]:
+    return Invoice.objects.for_tenant(tenant).order_by("-period_start", "-id")
+
+
+def invoice_get(*, tenant, invoice_id: int) -> Invoice:
+    invoice = Invoice.objects.for_tenant(tenant).filter(pk=invoice_id).first()
+    if invoice is None:
+        raise NotFound(f"no invoice {invoice_id} in tenant '{tenant.slug}'")
+    return invoice
+
+
+def invoice_view(*, invoice: Invoice) -> InvoiceView:
+    """A finalized invoice as written; a draft as it would be finalized now."""
+    if invoice.status == Invoice.Status.FINALIZED:
+        lines = [InvoiceLineView(
+            model=line.model, adapter=line.adapter, token_class=line.token_class,
+            units=line.units, unit_price=line.unit_price, exact_amount=line.exact_amount,
+            amount=line.amount, price_id=line.price_id, surcharge_id=line.surcharge_id)
+            for line in invoice.lines.order_by("position")]
+        return InvoiceView(invoice=invoice, lines=lines, exact_total=invoice.exact_total,
+                           total=invoice.total)
+    lines = invoice_lines_compute(tenant_id=invoice.tenant_id, period=invoice.period_start)
+    return InvoiceView(invoice=invoice, lines=lines,
+                       exact_total=sum((x.exact_amount for x in lines), Decimal(0)),
+                       total=sum((x.amount for x in lines), Decimal("0.00")))
+
+
+# --- exports and dead letters --------------------------------------------------------------
+
+def export_list(*, tenant) -> QuerySet[Export]:
+    return Export.objects.for_tenant(tenant).order_by("-created_at", "-id")
+
+
+def export_get(*, tenant, export_id: int) -> Export:
+    export = Export.objects.for_tenant(tenant).filter(pk=export_id).first()
+    if export is None:
+        raise NotFound(f"no export {export_id} in tenant '{tenant.slug}'")
+    return export
+
+
+def usage_dead_letter_list() -> QuerySet[UsageDeadLetter]:
+    return UsageDeadLetter.objects.order_by("-created_at", "-id")
