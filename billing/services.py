@@ -33,7 +33,7 @@ from billing.models import (
     UsageRecord,
     UsageRollup,
 )
-from billing.money import micros, to_micro, token_cost
+from billing.money import CENT, micros, to_micro, token_cost
 from billing.periods import day_start, period_after, period_bounds, period_label, period_of
 from tenants.facade import Actor, audit_record, tenant_plans
 
@@ -382,9 +382,20 @@ def _cap_snapshot(cap: SpendCap | None) -> dict[str, Any]:
     return {"monthly_limit": None if limit is None else str(limit), "set": True}
 
 
+def _cap_amount(monthly_limit: Decimal | None) -> Decimal | None:
+    if monthly_limit is None:
+        return None
+    if monthly_limit < 0 or monthly_limit != monthly_limit.quantize(CENT) \
+            or monthly_limit >= Decimal(10**12):
+        raise InvalidRequest("a monthly spend cap is an amount in cents, from 0 up to "
+                             "999,999,999,999.99", param="monthly_limit", code="invalid_value")
+    return monthly_limit.quantize(CENT)
+
+
 def tenant_spend_cap_update(*, tenant, actor: Actor, monthly_limit: Decimal | None,
                             inherit: bool = False) -> SpendCap | None:
     """Sets the tenant's own monthly cap (None: uncapped), or drops it to inherit the plan's."""
+    monthly_limit = _cap_amount(monthly_limit)
     with transaction.atomic():
         cap = SpendCap.objects.select_for_update().filter(tenant=tenant).first()
         before = _cap_snapshot(cap)
@@ -405,6 +416,7 @@ def tenant_spend_cap_update(*, tenant, actor: Actor, monthly_limit: Decimal | No
 
 def plan_spend_cap_update(*, plan, actor: Actor, monthly_limit: Decimal | None) -> SpendCap | None:
     """Sets the plan's default monthly cap for its tenants (None: none)."""
+    monthly_limit = _cap_amount(monthly_limit)
     with transaction.atomic():
         cap = SpendCap.objects.select_for_update().filter(plan=plan).first()
         before = _cap_snapshot(cap)

@@ -25,6 +25,8 @@ import redis
 import redis.asyncio as aioredis
 
 from atrium.errors import QuotaExceeded, RateLimited, ServiceUnavailable
+from billing import spend as billing_spend  # Redis keys and values only; no Django
+from billing.money import from_micros, to_cents
 from tenants.principals import Principal  # the facade's dataclass; importable without Django
 
 _HERE = Path(__file__).parent
@@ -132,11 +134,33 @@ async def _run(client: aioredis.Redis, sha: str, source: str, keys: list[str],
                                  ) from exc
 
 
-def spend_cap_check(principal: Principal, reserved_tokens: int) -> None:
-    """Hook for the monthly spend cap (billing's issue, with Decimal prices): raise
-    QuotaExceeded here when the tenant's month-to-date spend reached its cap. Today a
-    no-op; the monthly *token* cap is enforced by the admission script.
+async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
+    """Refuses the request (429 insufficient_quota) once the tenant's spend this month has
+    reached its monthly spend cap (docs/billing.md).
+
+    Billing keeps the cap and the month's committed spend in Redis (billing/spend.py):
+    one MGET, no database. Requests already in flight when the cap is reached still
+    finish, so spend can pass the cap by their cost. The monthly *token* cap is the
+    admission script's.
     """
+    month, reset_ms = month_window()
+    try:
+        state = await billing_spend.cap_state(client, tenant_id=principal.tenant_id,
+                                              month=month)
+    except redis.RedisError as exc:
+        raise ServiceUnavailable("quota admission is unavailable right now; retry shortly"
+                                 ) from exc
+    if state is None or not state.reached:
+        return
+    wait_ms = max(0, reset_ms - int(time.time() * 1000))
+    cap = to_cents(from_micros(state.cap_micros))
+    spent = to_cents(from_micros(state.spent_micros))
+    raise QuotaExceeded(
+        f"You reached the monthly spend cap of tenant '{principal.tenant_slug}' ({cap} "
+        f"{state.currency}; {spent} {state.currency} spent this month). It resets in "
+        f"{format_duration(wait_ms)}.",
+        headers={"x-should-retry": "false", "retry-after": str(max(1, math.ceil(
+            wait_ms / 1000)))})
 
 
 async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str,
@@ -144,7 +168,7 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
     """Takes the request's share of every limit or none; raises RateLimited/QuotaExceeded
     (429, with Retry-After and the x-ratelimit-* headers) when a limit is reached."""
     cost = prompt_tokens + max_tokens
-    spend_cap_check(principal, cost)
+    await spend_cap_check(client, principal)
     month, month_reset_ms = month_window()
     tenant_keys, key_keys = _level_keys(principal, month)
     keys = [*tenant_keys, *key_keys, f"atrium:apikey-used:{principal.api_key_id}"]
