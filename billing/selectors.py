@@ -26,7 +26,7 @@ from billing.models import (
     UsageRecord,
     UsageRollup,
 )
-from billing.money import allocate_cents
+from billing.money import allocate_cents, to_micro
 from billing.periods import day_start, period_after, period_of
 from tenants.facade import tenant_plans
 
@@ -123,7 +123,8 @@ def usage_buckets(*, tenant, query: UsageQuery) -> list[UsageBucket]:
             keys["api_key_id"] = keys["api_key_id"] or None  # rollups say 0 for "no key"
         buckets[start].results.append(UsageResult(
             requests=row["n"], input_tokens=row["prompt"], cached_tokens=row["cached"],
-            output_tokens=row["completion"], cost=row["total_cost"] or Decimal(0), **keys))
+            output_tokens=row["completion"], cost=to_micro(row["total_cost"] or Decimal(0)),
+            **keys))
     return list(buckets.values())
 
 
@@ -174,8 +175,8 @@ def _caps_with_source(tenant_ids: Iterable[int] | None
 
 def spend_summary(*, tenant, now: datetime | None = None) -> SpendSummary:
     period = period_of(now or timezone.now())
-    spent = (UsageRollup.objects.for_tenant(tenant).filter(billing_period=period)
-             .aggregate(total=Sum("cost"))["total"]) or Decimal(0)
+    spent = to_micro((UsageRollup.objects.for_tenant(tenant).filter(billing_period=period)
+                      .aggregate(total=Sum("cost"))["total"]) or Decimal(0))
     cap, source = _caps_with_source([tenant.pk])[tenant.pk]
     return SpendSummary(period_start=period, period_end=period_after(period),
                         currency=settings.ATRIUM_BILLING_CURRENCY, spent=spent, cap=cap,
@@ -227,15 +228,17 @@ def invoice_lines_compute(*, tenant_id: int, period: date) -> list[InvoiceLineVi
         base, surcharge = prices.get(g["price_ref"]), prices.get(g["surcharge_ref"])
         units = {"input": g["prompt"] - g["cached"], "cached_input": g["cached"],
                  "output": g["completion"]}
-        exact = {"input": g["input_sum"], "cached_input": g["cached_sum"],
-                 "output": g["output_sum"]}
+        # NOTE: to_micro is exact on PostgreSQL; on SQLite it drops float noise from SUM.
+        exact = {"input": to_micro(g["input_sum"] or Decimal(0)),
+                 "cached_input": to_micro(g["cached_sum"] or Decimal(0)),
+                 "output": to_micro(g["output_sum"] or Decimal(0))}
         for token_class, price_field in _PER_MILLION.items():
             if not units[token_class] and not exact[token_class]:
                 continue
             unit_price = sum((getattr(p, price_field) for p in (base, surcharge)
                               if p is not None), Decimal(0))
             drafts.append((g["model"], g["adapter"], token_class, units[token_class], unit_price,
-                           exact[token_class] or Decimal(0), base, surcharge))
+                           exact[token_class], base, surcharge))
     amounts = allocate_cents([d[5] for d in drafts])
     return [InvoiceLineView(model=m, adapter=a, token_class=c, units=u, unit_price=p,
                             exact_amount=e, amount=amount,

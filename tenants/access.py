@@ -55,6 +55,7 @@ class Rule:
 _ALL = frozenset(Role.values)
 _MANAGERS = frozenset({Role.OWNER, Role.ADMIN})
 _BUILDERS = frozenset({Role.OWNER, Role.ADMIN, Role.DEVELOPER})
+_PAYERS = frozenset({Role.OWNER, Role.ADMIN, Role.BILLING})
 _NOBODY: frozenset[str] = frozenset()
 
 RULES: dict[str, Rule] = {
@@ -79,6 +80,11 @@ RULES: dict[str, Rule] = {
     "adapter.create": Rule(_BUILDERS, Scope.ADAPTERS, staff=False),
     "adapter.delete": Rule(_BUILDERS, Scope.ADAPTERS, staff=True),
     "adapter.publish": Rule(_NOBODY, None, staff=True),
+    # Billing (docs/billing.md): usage for everyone in the tenant, money for those who pay.
+    "usage.read": Rule(_ALL, Scope.USAGE, staff=True),
+    "billing.read": Rule(_PAYERS, Scope.BILLING, staff=True),
+    "billing.export": Rule(_PAYERS, Scope.BILLING, staff=True),
+    "spend_cap.update": Rule(_NOBODY, None, staff=True),
 }
 
 # Scopes a role may put on a key it creates; a key may grant only scopes it has.

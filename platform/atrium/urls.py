@@ -17,6 +17,7 @@ urlpatterns = [
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("requestlogs.urls")),
     path("api/v1/", include("adapters.urls")),
+    path("api/v1/", include("billing.urls")),
     path("internal/adapters/<str:adapter_hash>/<str:filename>", adapter_internal.adapter_file),
     path("api/schema/", SpectacularAPIView.as_view(**_public), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema", **_public),
