@@ -48,3 +48,19 @@ def event(tenant, *, rid: str | None = None, at: datetime = T0 + timedelta(days=
     rid = f"req-{next(_rids)}" if rid is None else rid
     return UsageEvent(request_id=rid, tenant_id=tenant_id, model=model,
                       occurred_at=at, **fields)
+
+
+@pytest.fixture
+def export_dir(settings, tmp_path):
+    """Exports go to a fresh folder for the test (the storage handler caches backends)."""
+    from django.core.files.storage import storages
+
+    root = tmp_path / "exports"
+    settings.ATRIUM_EXPORT_DIR = root
+    settings.STORAGES = {**settings.STORAGES, "billing-exports": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(root)}}}
+    storages._storages.pop("billing-exports", None)
+    storages.backends = settings.STORAGES
+    yield root
+    storages._storages.pop("billing-exports", None)

@@ -138,7 +138,7 @@ def _assert_error(response, status: int, code: str | None = None) -> None:
 
 
 @pytest.fixture
-def world() -> World:
+def world(export_dir) -> World:
     return World()
 
 
