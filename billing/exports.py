@@ -93,15 +93,24 @@ def ledger_rows(*, tenant_id: int, start: datetime, end: datetime,
         last = (batch[-1][at], batch[-1][0])
 
 
-def _ledger_csv(rows: Iterator[tuple], tenant_slug: str) -> Iterator[list[list[str]]]:
+def _iso(value: Any) -> str:
+    return "" if value is None else value.isoformat()
+
+
+# Columns that need more than csv.writer's str() (which writes None as ""): dates in ISO
+# 8601, and text a spreadsheet could run. Chosen once, not per cell.
+_LEDGER_CELLS = tuple((i, _cell if c in _TEXT else _iso) for i, c in enumerate(LEDGER_COLUMNS)
+                      if c in _TEXT or c in ("occurred_at", "recorded_at", "billing_period"))
+
+
+def _ledger_csv(rows: Iterator[tuple], tenant_slug: str) -> Iterator[list[list[Any]]]:
     yield [["tenant", *LEDGER_COLUMNS]]
-    text = [LEDGER_COLUMNS.index(c) for c in _TEXT]
-    page: list[list[str]] = []
+    page: list[list[Any]] = []
     for row in rows:
-        cells = ["" if v is None else str(_plain(v)) for v in row]
-        for i in text:
-            cells[i] = _cell(row[i])
-        page.append([tenant_slug, *cells])
+        cells = [tenant_slug, *row]
+        for i, convert in _LEDGER_CELLS:
+            cells[i + 1] = convert(row[i])
+        page.append(cells)
         if len(page) >= PAGE:
             yield page
             page = []
