@@ -227,12 +227,12 @@ class UsageListApi(TenantApi):
         if limit > max_limit:
             raise InvalidRequest(f"'limit' is at most {max_limit} for bucket_width {width}",
                                  param="limit", code="invalid_value")
+        if query.get("end_time", MAX_UNIX_S + 1) <= query["start_time"]:
+            raise InvalidRequest("'end_time' must be after 'start_time'", param="end_time",
+                                 code="invalid_value")
         start = query["start_time"] // step * step
         end = query.get("end_time")
         end = start + limit * step if end is None else math.ceil(end / step) * step
-        if end <= start or query.get("end_time", start + 1) <= query["start_time"]:
-            raise InvalidRequest("'end_time' must be after 'start_time'", param="end_time",
-                                 code="invalid_value")
         page = int(query["page"]) if "page" in query else start
         if page % step or not start <= page < end:
             raise InvalidRequest("'page' is not a page of this query", param="page",

@@ -101,6 +101,12 @@ def test_usage_pages_through_a_long_range(owner):
     assert rest["has_more"] is False
 
 
+def test_without_an_end_the_range_is_one_page_from_the_start(owner):
+    page = _usage(owner, start_time=START + 3600, bucket_width="1d")
+    assert [b["start_time"] for b in page["data"]] == [START + i * DAY for i in range(7)]
+    assert page["has_more"] is False
+
+
 def test_a_huge_range_answers_one_bounded_page(owner):
     page = _usage(owner, start_time=0, end_time=4_102_444_800, bucket_width="1d", limit=31)
     assert len(page["data"]) == 31 and page["has_more"]
