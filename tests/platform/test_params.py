@@ -78,3 +78,23 @@ def test_bad_completion_prompts_are_rejected(prompt):
     with pytest.raises(InvalidRequest) as err:
         parse_completion({"model": "m", "prompt": prompt})
     assert err.value.param == "prompt"
+
+
+def test_errors_name_the_max_tokens_field_the_client_used():
+    from atrium.inference.params import parse_chat
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat({**base, "max_tokens": 5}).params.max_tokens_param == "max_tokens"
+    assert parse_chat({**base, "max_completion_tokens": 5}).params.max_tokens_param == \
+        "max_completion_tokens"
+
+
+def test_negative_token_ids_are_an_invalid_value_not_a_second_prompt():
+    import pytest
+
+    from atrium.errors import InvalidRequest
+    from atrium.inference.params import parse_completion
+
+    with pytest.raises(InvalidRequest, match="non-negative") as err:
+        parse_completion({"model": "m", "prompt": [-1, 2]})
+    assert err.value.code == "invalid_value"

@@ -37,6 +37,7 @@ class GenerationParams:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    max_tokens_param: str = "max_tokens"  # the field the client set, for error messages
 
 
 @dataclass(slots=True)
@@ -161,9 +162,10 @@ def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationPa
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidRequest(f"'{name}' must be a string", param=name, code="invalid_type")
     max_tokens = _optional_int(body, max_tokens_field, lo=1)
-    if max_tokens_field != "max_tokens":
-        legacy = _optional_int(body, "max_tokens", lo=1)
-        max_tokens = max_tokens if max_tokens is not None else legacy
+    max_tokens_param = max_tokens_field
+    if max_tokens_field != "max_tokens" and max_tokens is None:
+        max_tokens = _optional_int(body, "max_tokens", lo=1)
+        max_tokens_param = "max_tokens"
     seed = _optional_int(body, "seed")
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise InvalidRequest("'seed' must fit in 64 bits", param="seed", code="invalid_value")
@@ -171,6 +173,7 @@ def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationPa
     return GenerationParams(
         model=model,
         max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=top_k,
@@ -192,6 +195,9 @@ def parse_completion(body: Any) -> CompletionRequest:
         pass
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         pass
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        raise InvalidRequest("token ids in 'prompt' must be non-negative integers",
+                             param="prompt", code="invalid_value")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise InvalidRequest("only one prompt per request is supported", param="prompt",
                              code="unsupported_parameter")

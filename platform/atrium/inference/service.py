@@ -164,7 +164,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
     who = "This server allows"
     if principal.max_output_tokens is not None and principal.max_output_tokens < max_output:
         max_output, who = principal.max_output_tokens, "Your quota allows"
-    field = "max_completion_tokens" if kind == "chat" else "max_tokens"
+    field = params.max_tokens_param
     if params.max_tokens is None:
         default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max_output
         params.max_tokens = min(default, room, max_output)
