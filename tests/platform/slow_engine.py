@@ -1,4 +1,5 @@
-"""A real reference engine slowed down and told to ignore EOS, so tests can act mid-stream."""
+"""A real continuous-batching engine slowed down and told to ignore EOS, so tests can act
+mid-stream while several requests generate at once."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ class SlowEngine:
 
 def slow_factory(step_s: float):
     def factory(model_dir: Path):
-        from engine.reference import ReferenceEngine
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
 
-        return SlowEngine(ReferenceEngine(model_dir), step_s)
+        return SlowEngine(LLMEngine(EngineConfig(model_dir=model_dir, num_kv_blocks=512)),
+                          step_s)
 
     return factory

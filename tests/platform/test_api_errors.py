@@ -57,7 +57,7 @@ def test_well_formed_but_unknown_key_is_401(api_server, served_model, redis_clie
     _assert_nothing_queued(redis_client, served_model)
 
 
-def test_revoked_key_is_401(api_server, served_model, tenant_key, engine_worker):
+def test_revoked_key_is_401(api_server, served_model, tenant_key, engine_worker, redis_client):
     from tenants.models import Tenant
     from tenants.services import api_key_revoke
 
@@ -66,6 +66,7 @@ def test_revoked_key_is_401(api_server, served_model, tenant_key, engine_worker)
     api_key_revoke(tenant=Tenant.objects.get(pk=tenant_key.tenant_id), key_id=tenant_key.key_id)
     r = _post(api_server, CHAT, tenant_key.key, json=_chat(served_model))
     _assert_error(r, 401, "invalid_api_key")
+    _assert_nothing_queued(redis_client, served_model)
 
 
 def test_malformed_json_is_400(api_server, tenant_key, served_model, redis_client):
@@ -93,6 +94,8 @@ def test_missing_or_wrong_typed_field_is_400(api_server, tenant_key, redis_clien
 def test_unknown_model_is_404(api_server, tenant_key, engine_worker, redis_client):
     r = _post(api_server, CHAT, tenant_key.key, json=_chat("gpt-17"))
     _assert_error(r, 404, "model_not_found", "model")
+    _assert_nothing_queued(redis_client, "gpt-17")
+    _assert_nothing_queued(redis_client, "tiny-llama")
 
 
 def test_max_tokens_beyond_the_server_limit_is_400(api_server, tenant_key, served_model,

@@ -77,9 +77,12 @@ def test_websocket_runs_two_requests_and_cancels_one(
         seen: dict[str, list[dict]] = {"a": [], "b": []}
         ends: dict[str, str] = {}
         b_request_id = None
+        b_chunks_before_a_ended = None
         while len(ends) < 2:
             message = json.loads(ws.recv(timeout=30))
             cid = message["id"]
+            if cid == "a" and message["type"] != "chunk":
+                b_chunks_before_a_ended = len(seen["b"])
             if message["type"] == "chunk":
                 seen[cid].append(message["data"])
                 if cid == "b":
@@ -89,6 +92,7 @@ def test_websocket_runs_two_requests_and_cancels_one(
             else:
                 ends[cid] = message["type"]
     assert ends == {"a": "done", "b": "cancelled"}
+    assert b_chunks_before_a_ended >= 2  # both generated at once, in one engine batch
     assert seen["a"][-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["object"] == "chat.completion.chunk" for c in seen["a"] + seen["b"])
     final = _engine_final_event(redis_client, b_request_id)
