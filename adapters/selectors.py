@@ -103,3 +103,11 @@ def upload_get(*, tenant, upload_id) -> AdapterUpload:
     if upload is None:
         raise NotFound(f"no upload {upload_id} in this tenant")
     return upload
+
+
+def adapter_list_all(*, visibility: str | None = None) -> list[Adapter]:
+    """Every tenant's adapters (the operator's view), newest first; optionally one visibility."""
+    rows = Adapter.objects.select_related("tenant")
+    if visibility is not None:
+        rows = rows.filter(visibility=visibility)
+    return list(rows.order_by("tenant__slug", "name", "-version"))

@@ -288,3 +288,9 @@ def export_get(*, tenant, export_id: int) -> Export:
 
 def usage_dead_letter_list() -> QuerySet[UsageDeadLetter]:
     return UsageDeadLetter.objects.order_by("-created_at", "-id")
+
+
+def plan_spend_caps() -> dict[int, Decimal | None]:
+    """Each plan's default monthly spend cap, by plan id (plans without one are absent)."""
+    return dict(SpendCap.objects.filter(plan__isnull=False)
+                .values_list("plan_id", "monthly_limit"))

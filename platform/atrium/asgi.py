@@ -10,6 +10,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
 from django.urls import path  # noqa: E402
 
@@ -19,6 +20,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 
 from adapters.consumers import AdapterEventsConsumer  # noqa: E402
 from atrium.inference.consumers import InferenceConsumer  # noqa: E402
+from webui.consumers import FleetConsumer  # noqa: E402
 
 
 class BodyLimit:
@@ -80,10 +82,13 @@ class _TooLarge(Exception):
 
 
 application = ProtocolTypeRouter({
-    "http": BodyLimit(django_app, settings.ATRIUM_MAX_BODY_BYTES),
+    # The console's CSS and scripts are served from the apps' static folders (small,
+    # cacheable, no collectstatic step); everything else goes to Django.
+    "http": BodyLimit(ASGIStaticFilesHandler(django_app), settings.ATRIUM_MAX_BODY_BYTES),
     # Sessions (console sign-in) reach websockets through AuthMiddlewareStack.
     "websocket": AuthMiddlewareStack(URLRouter([
         path("v1/stream", InferenceConsumer.as_asgi()),
         path("ws/tenants/<slug:slug>/adapters", AdapterEventsConsumer.as_asgi()),
+        path("ws/operator/fleet", FleetConsumer.as_asgi()),
     ])),
 })

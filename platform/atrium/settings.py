@@ -67,6 +67,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "webui.middleware.ContentSecurityPolicy",
 ]
 
 ROOT_URLCONF = "atrium.urls"
@@ -249,6 +250,16 @@ STATIC_ROOT = ATRIUM_HOME / "static"
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
+# The console (docs/console.md): sessions last a working day and end with the browser.
+LOGIN_URL = "webui:login"
+LOGIN_REDIRECT_URL = "webui:home"
+LOGOUT_REDIRECT_URL = "webui:login"
+SESSION_COOKIE_AGE = int(os.environ.get("ATRIUM_SESSION_AGE_S", str(12 * 3600)))
+SESSION_EXPIRE_AT_BROWSER_CLOSE = True
+# Origins (scheme://host[:port]) trusted for the console's forms behind a proxy that
+# rewrites Host; same-origin posts need nothing here.
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("ATRIUM_CSRF_TRUSTED_ORIGINS", "").split(",")
+                        if o]
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 if PRODUCTION:

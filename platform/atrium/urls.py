@@ -24,5 +24,6 @@ urlpatterns = [
          name="api-docs"),
     path("healthz", webui.healthz),
     path("admin/", admin.site.urls),
+    path("console/", include("webui.urls")),
     path("", webui.index, name="index"),
 ]

@@ -1,0 +1,138 @@
+"""The console's tests: the platform's live-server fixtures, one Chromium for the session,
+and a small world of tenants, people and their data built through the services."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.platform.conftest import (  # noqa: F401
+    adapter_store,
+    api_server,
+    redis_client,
+    served_model,
+)
+
+ARTIFACTS = Path(os.environ.get("ATRIUM_TEST_ARTIFACTS", "test-artifacts")) / "screenshots"
+CHROMIUM = os.environ.get("ATRIUM_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
+                 "--disable-background-networking"]
+
+
+@dataclass
+class World:
+    """Tenant acme with one person per role and one of each thing; tenant other likewise
+    thin (an owner and one of each object), to prove acme's people never reach it."""
+
+    acme: object
+    other: object
+    people: dict[str, object]  # role -> user, in acme
+    staff: object
+    outsider: object  # other's owner
+    objects: dict[str, int]  # acme's object ids by kind
+    other_objects: dict[str, int]
+
+
+def _objects(tenant, owner) -> dict[str, int]:
+    from adapters.models import Adapter
+    from billing.models import Export, Invoice
+    from billing.services import usage_records_write
+    from requestlogs.services import RequestLogEntry, request_log_record
+    from tenants.access import Actor
+    from tenants.models import Membership
+    from tenants.services import api_key_create, invitation_create
+    from tests.billing.conftest import event
+
+    actor = Actor(user_id=owner.pk, user_email=owner.email)
+    key, _ = api_key_create(tenant=tenant, name="main", scopes=["inference"], created_by=owner,
+                            actor=actor)
+    usage_records_write(events=[event(tenant, at=datetime.now(UTC) - timedelta(hours=1))])
+    invoice = Invoice.objects.for_tenant(tenant).first()
+    export = Export.objects.create(tenant=tenant, kind="ledger", format="csv",
+                                   start=datetime.now(UTC) - timedelta(days=2),
+                                   end=datetime.now(UTC), status="pending")
+    adapter = Adapter.objects.create(tenant=tenant, name="sql", version=1, base_model="m",
+                                     status="ready")
+    rid = f"{tenant.slug}0000feed"
+    request_log_record(entry=RequestLogEntry(request_id=rid, tenant_id=tenant.pk,
+                                             endpoint="chat", transport="http", model="m",
+                                             status=200, api_key_id=key.pk))
+    invitation, _ = invitation_create(tenant=tenant, email=f"new@{tenant.slug}.test",
+                                      role="developer", actor=actor)
+    member = Membership.objects.for_tenant(tenant).get(user=owner)
+    return {"key_id": key.pk, "invoice_id": invoice.pk, "export_id": export.pk,
+            "adapter_id": adapter.pk, "request_id": rid, "invitation_id": invitation.pk,
+            "member_id": member.pk}
+
+
+def build_world() -> World:
+    from tests.factories import member_factory, tenant_factory, user_factory
+
+    acme, other = tenant_factory("acme"), tenant_factory("other")
+    people = {role: member_factory(acme, role, email=f"{role}@acme.test")
+              for role in ("owner", "admin", "developer", "billing", "viewer")}
+    outsider = member_factory(other, "owner", email="owner@other.test")
+    staff = user_factory(email="ops@atrium.test", is_staff=True)
+    objects = _objects(acme, people["owner"])
+    # The member a manager acts on: the viewer (owners are only for owners to touch).
+    objects["member_id"] = acme.memberships.get(user=people["viewer"]).pk
+    return World(acme=acme, other=other, people=people, staff=staff, outsider=outsider,
+                 objects=objects, other_objects=_objects(other, outsider))
+
+
+@pytest.fixture
+def world(db, redis_client) -> World:  # noqa: F811
+    return build_world()
+
+
+# --- the browser ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Debian Chromium for the whole session (never a downloaded browser)."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def new_page(browser, api_server) -> Iterator:  # noqa: F811
+    """Pages in a fresh context (no cookies) on the live server; closed after the test."""
+    contexts = []
+
+    def make(viewport=(1366, 860)):
+        context = browser.new_context(base_url=api_server,
+                                      viewport={"width": viewport[0], "height": viewport[1]})
+        context.set_default_timeout(20_000)
+        contexts.append(context)
+        return context.new_page()
+
+    yield make
+    for context in contexts:
+        context.close()
+
+
+def screenshot(page, name: str) -> Path:
+    """Saves the page as a test artefact (test-artifacts/screenshots/NAME.png)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def sign_in(page, email: str, password: str) -> None:
+    page.goto("/console/login")
+    page.get_by_label("Email").fill(email)
+    page.get_by_label("Password").fill(password)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_load_state()

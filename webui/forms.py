@@ -1,0 +1,244 @@
+"""The console's forms: they parse and validate what a person typed; services decide."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, time, timedelta
+from typing import Any
+
+from django import forms
+
+from billing.models import Export
+from tenants.models import QUOTA_FIELDS, Role, Scope
+
+SCOPE_HELP = {
+    Scope.INFERENCE: "call models (/v1)",
+    Scope.ADAPTERS: "upload and manage adapters",
+    Scope.USAGE: "read usage",
+    Scope.BILLING: "read invoices, export billing data",
+    Scope.ADMIN: "the management API: keys, members, quotas",
+}
+
+
+def _end_of_day(day) -> datetime:
+    return datetime.combine(day, time(23, 59, 59), tzinfo=UTC)
+
+
+class KeyCreateForm(forms.Form):
+    name = forms.CharField(max_length=200, label="Name",
+                           help_text="What it is for, e.g. “production backend”.")
+    scopes = forms.MultipleChoiceField(widget=forms.CheckboxSelectMultiple, label="Scopes")
+    expires_on = forms.DateField(required=False, label="Expires on (optional)",
+                                 widget=forms.DateInput(attrs={"type": "date"}),
+                                 help_text="The key stops working at the end of this day (UTC).")
+
+    def __init__(self, *args: Any, grantable: frozenset[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["scopes"].choices = [(s, f"{s} — {SCOPE_HELP[s]}") for s in Scope.values
+                                         if s in grantable]
+        self.fields["scopes"].initial = [Scope.INFERENCE.value]
+
+    def expires_at(self) -> datetime | None:
+        day = self.cleaned_data.get("expires_on")
+        return _end_of_day(day) if day else None
+
+
+class RotateForm(forms.Form):
+    grace_hours = forms.IntegerField(min_value=0, max_value=7 * 24, initial=24,
+                                     label="Old key keeps working for (hours)")
+
+    def grace_seconds(self) -> int:
+        return self.cleaned_data["grace_hours"] * 3600
+
+
+class ExportForm(forms.Form):
+    kind = forms.ChoiceField(choices=Export.Kind.choices, label="What")
+    format = forms.ChoiceField(choices=Export.Format.choices, label="Format")
+    start = forms.DateField(label="From (UTC, inclusive)",
+                            widget=forms.DateInput(attrs={"type": "date"}))
+    end = forms.DateField(label="To (UTC, inclusive)",
+                          widget=forms.DateInput(attrs={"type": "date"}))
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if data.get("start") and data.get("end") and data["start"] > data["end"]:
+            raise forms.ValidationError("“From” must not be after “To”.")
+        return data
+
+    def range(self) -> tuple[datetime, datetime]:
+        start = datetime.combine(self.cleaned_data["start"], time(0), tzinfo=UTC)
+        end = datetime.combine(self.cleaned_data["end"], time(0), tzinfo=UTC) + timedelta(days=1)
+        return start, end
+
+
+class AdapterUploadForm(forms.Form):
+    name = forms.RegexField(r"^[a-z0-9][a-z0-9._-]{0,63}$", max_length=64, label="Name",
+                            help_text="Lowercase letters, digits, “.”, “_” or “-”. "
+                                      "A new upload under an existing name is its next version.")
+    archive = forms.FileField(label="Adapter archive (.zip or .tar.gz)",
+                              help_text="A PEFT folder: adapter_config.json and "
+                                        "adapter_model.safetensors.")
+
+
+class LogFilterForm(forms.Form):
+    since = forms.DateField(required=False, label="From (UTC)",
+                            widget=forms.DateInput(attrs={"type": "date"}))
+    until = forms.DateField(required=False, label="To (UTC, inclusive)",
+                            widget=forms.DateInput(attrs={"type": "date"}))
+    model = forms.CharField(required=False, max_length=200, label="Model")
+    adapter = forms.CharField(required=False, max_length=200, label="Adapter")
+    key = forms.TypedChoiceField(required=False, coerce=int, empty_value=None, label="API key")
+    status = forms.IntegerField(required=False, min_value=100, max_value=599, label="Status")
+    before = forms.IntegerField(required=False, min_value=1, widget=forms.HiddenInput)
+
+    def __init__(self, *args: Any, keys: list[tuple[int, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["key"].choices = [("", "any key"), *keys]
+
+    def filters(self):
+        from requestlogs.selectors import RequestLogFilter
+
+        d = self.cleaned_data
+        return RequestLogFilter(
+            since=datetime.combine(d["since"], time(0), tzinfo=UTC) if d.get("since") else None,
+            until=(datetime.combine(d["until"], time(0), tzinfo=UTC) + timedelta(days=1)
+                   if d.get("until") else None),
+            model=d.get("model") or None, adapter=d.get("adapter") or None,
+            api_key_id=d.get("key"), status=d.get("status"), before=d.get("before"))
+
+
+class LogPolicyForm(forms.Form):
+    log_bodies = forms.BooleanField(required=False, label="Keep prompts and completions "
+                                    "(always redacted before they are stored)")
+    retention_days = forms.IntegerField(min_value=1, label="Keep logs for (days)")
+
+
+class InviteForm(forms.Form):
+    email = forms.EmailField(label="Email")
+    role = forms.ChoiceField(choices=Role.choices, label="Role", initial=Role.DEVELOPER)
+
+
+class RoleForm(forms.Form):
+    role = forms.ChoiceField(choices=Role.choices, label="Role")
+
+
+class AcceptInvitationForm(forms.Form):
+    token = forms.CharField(max_length=200, label="Invitation token",
+                            help_text="It starts with atrinv_.")
+
+
+class AuditFilterForm(forms.Form):
+    action = forms.CharField(required=False, max_length=64, label="Action",
+                             help_text="e.g. api_key.create")
+    before = forms.IntegerField(required=False, min_value=1, widget=forms.HiddenInput)
+
+
+class UsageRangeForm(forms.Form):
+    days = forms.TypedChoiceField(choices=[(7, "7 days"), (30, "30 days"), (90, "90 days")],
+                                  coerce=int, initial=30, required=False, label="Range")
+
+
+# --- the operator's ------------------------------------------------------------------------
+
+def _limit(label: str) -> forms.IntegerField:
+    return forms.IntegerField(required=False, min_value=1, label=label)
+
+
+LIMIT_LABELS = {
+    "requests_per_minute": "Requests per minute",
+    "tokens_per_minute": "Tokens per minute",
+    "max_concurrent_requests": "Concurrent requests",
+    "max_prompt_tokens": "Max prompt tokens",
+    "max_output_tokens": "Max output tokens",
+    "monthly_token_cap": "Monthly token cap",
+}
+
+
+class QuotaOverrideForm(forms.Form):
+    """Each empty field inherits the plan's limit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name in QUOTA_FIELDS:
+            self.fields[name] = _limit(LIMIT_LABELS[name])
+
+    def changes(self) -> dict[str, int | None]:
+        return {name: self.cleaned_data.get(name) for name in QUOTA_FIELDS}
+
+
+class TenantCreateForm(forms.Form):
+    name = forms.CharField(max_length=200, label="Name")
+    slug = forms.SlugField(max_length=64, required=False, label="Slug (optional)")
+    plan = forms.ChoiceField(label="Plan")
+    owner_email = forms.EmailField(required=False, label="Owner's email (an existing user)")
+
+    def __init__(self, *args: Any, plans: list[tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["plan"].choices = plans
+
+
+class TenantPlanForm(forms.Form):
+    plan = forms.ChoiceField(label="Plan")
+
+    def __init__(self, *args: Any, plans: list[tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["plan"].choices = plans
+
+
+class SpendCapForm(forms.Form):
+    choice = forms.ChoiceField(choices=[("inherit", "the plan's cap"), ("none", "no cap"),
+                                        ("amount", "this amount")], label="Monthly spend cap",
+                               widget=forms.RadioSelect)
+    monthly_limit = forms.DecimalField(required=False, min_value=0, max_digits=14,
+                                       decimal_places=2, label="Amount")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if data.get("choice") == "amount" and data.get("monthly_limit") is None:
+            raise forms.ValidationError("Give the amount of the cap.")
+        return data
+
+
+class MemberAddForm(forms.Form):
+    email = forms.EmailField(label="Email of an existing user")
+    role = forms.ChoiceField(choices=Role.choices, label="Role")
+
+
+class PlanForm(forms.Form):
+    slug = forms.SlugField(max_length=64, label="Slug")
+    name = forms.CharField(max_length=200, label="Name")
+    priority = forms.IntegerField(min_value=-100, max_value=100, initial=5,
+                                  label="Priority class (lower runs first)")
+    requests_per_minute = forms.IntegerField(min_value=1, label="Requests per minute")
+    tokens_per_minute = forms.IntegerField(min_value=1, label="Tokens per minute")
+    max_concurrent_requests = forms.IntegerField(min_value=1, label="Concurrent requests")
+    max_prompt_tokens = _limit("Max prompt tokens (empty: none)")
+    max_output_tokens = _limit("Max output tokens (empty: none)")
+    monthly_token_cap = _limit("Monthly token cap (empty: none)")
+
+
+class PlanUpdateForm(PlanForm):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        del self.fields["slug"]
+
+
+class PlanSpendCapForm(forms.Form):
+    monthly_limit = forms.DecimalField(required=False, min_value=0, max_digits=14,
+                                       decimal_places=2,
+                                       label="Default monthly spend cap (empty: none)")
+
+
+class PriceForm(forms.Form):
+    model = forms.CharField(max_length=200, label="Model")
+    adapter = forms.CharField(max_length=200, required=False,
+                              label="Adapter (empty: the model's base price)",
+                              help_text="Set: a surcharge added to the base price.")
+    input_per_million = forms.DecimalField(min_value=0, max_digits=18, decimal_places=6,
+                                           label="Input, per million tokens")
+    cached_input_per_million = forms.DecimalField(min_value=0, max_digits=18, decimal_places=6,
+                                                  label="Cached input, per million tokens")
+    output_per_million = forms.DecimalField(min_value=0, max_digits=18, decimal_places=6,
+                                            label="Output, per million tokens")
+    effective_from = forms.DateTimeField(required=False, label="From (UTC; empty: now)",
+                                         widget=forms.DateTimeInput(
+                                             attrs={"type": "datetime-local"}))

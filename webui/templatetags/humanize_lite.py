@@ -1,0 +1,54 @@
+"""Number formats for the console: thousands separators and money."""
+
+from __future__ import annotations
+
+from decimal import ROUND_HALF_EVEN, Decimal
+
+from django import template
+
+register = template.Library()
+
+
+@register.filter
+def thousands(value: int | float | None) -> str:
+    """1234567 -> 1,234,567."""
+    if value is None or value == "":
+        return "—"
+    return f"{int(value):,}"
+
+
+@register.filter
+def money(value: Decimal | int | float | None) -> str:
+    """Cents with separators (1,234.50); amounts under a cent keep their digits (0.000123)."""
+    if value is None or value == "":
+        return "—"
+    amount = Decimal(str(value))
+    if amount and abs(amount) < Decimal("0.01"):
+        return f"{amount.normalize():f}"
+    return f"{amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_EVEN):,}"
+
+
+@register.filter
+def percent(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    return f"{float(value) * 100:.{digits}f}%"
+
+
+@register.filter
+def limit(value: int | None) -> str:
+    """A limit, where None means none."""
+    return "no limit" if value is None else f"{int(value):,}"
+
+
+@register.filter
+def get(mapping: dict, key: str):
+    return mapping.get(key) if mapping else None
+
+
+@register.filter
+def as_json(value) -> str:
+    """A stored JSON body, indented for reading (autoescaped by the template as text)."""
+    import json
+
+    return json.dumps(value, indent=2, ensure_ascii=False)
