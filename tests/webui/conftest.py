@@ -51,7 +51,7 @@ def _objects(tenant, owner) -> dict[str, int]:
     actor = Actor(user_id=owner.pk, user_email=owner.email)
     key, _ = api_key_create(tenant=tenant, name="main", scopes=["inference"], created_by=owner,
                             actor=actor)
-    usage_records_write(events=[event(tenant, at=datetime.now(UTC) - timedelta(hours=1))])
+    usage_records_write(events=[event(tenant, at=datetime.now(UTC))])
     invoice = Invoice.objects.for_tenant(tenant).first()
     export = Export.objects.create(tenant=tenant, kind="ledger", format="csv",
                                    start=datetime.now(UTC) - timedelta(days=2),
@@ -92,9 +92,13 @@ def world(db, redis_client) -> World:  # noqa: F811
 
 # --- the browser ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """One headless Debian Chromium for the whole session (never a downloaded browser)."""
+    """One headless Debian Chromium per module (never a downloaded browser).
+
+    NOTE: module, not session: while Playwright's sync API is started it marks an event
+    loop as running in this thread, which would break asyncio tests that run after it.
+    """
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
     from playwright.sync_api import sync_playwright

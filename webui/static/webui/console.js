@@ -65,11 +65,25 @@
     badge.className = `status status-${event.status}`;
     const failure = row.querySelector("[data-failure]");
     failure.textContent = event.failure_reason ? ` ${event.failure_reason}` : "";
+    if (event.status === "ready" && adapterApi) refreshFacts(row, event.id);
+  }
+
+  // Rank and size are known once validated: read them from the API.
+  async function refreshFacts(row, id) {
+    const res = await fetch(`${adapterApi}/${id}`, { credentials: "same-origin" });
+    if (!res.ok) return;
+    const adapter = await res.json();
+    row.querySelector("[data-rank]").textContent = adapter.rank ?? "—";
+    const kib = adapter.size_bytes / 1024;
+    row.querySelector("[data-size]").textContent = adapter.size_bytes
+      ? (kib < 1024 ? `${kib.toFixed(1)} KB` : `${(kib / 1024).toFixed(1)} MB`) : "—";
   }
 
   const adapterList = document.getElementById("adapter-list");
+  const adapterApi = adapterList
+    ? `/api/v1${adapterList.dataset.ws.replace(/^\/ws/, "")}` : null;
   if (adapterList) {
-    const api = `/api/v1${adapterList.dataset.ws.replace(/^\/ws/, "")}`;
+    const api = adapterApi;
     live(adapterList.dataset.ws, (msg) => {
       if (msg.type === "adapter.status") setAdapterStatus(msg);
     }, async (on) => {
