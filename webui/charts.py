@@ -66,7 +66,7 @@ def bar_chart(points: list[tuple[str, float]], *, title: str, width: int = 720,
               height: int = 200, label_every: int = 5, fmt=compact) -> BarChart:
     """Vertical bars for `points` (label, value) in order, with four y-axis ticks."""
     left, top, bottom = 48, 8, 24
-    plot_w, plot_h = width - left - 4, height - top - bottom
+    plot_w, plot_h = width - left - 24, height - top - bottom  # room for the last label
     top_value = _nice_max(max((v for _, v in points), default=0))
     slot = plot_w / max(len(points), 1)
     bars = []

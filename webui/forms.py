@@ -199,8 +199,19 @@ class SpendCapForm(forms.Form):
 
 
 class MemberAddForm(forms.Form):
-    email = forms.EmailField(label="Email of an existing user")
+    email = forms.EmailField(label="Email")
     role = forms.ChoiceField(choices=Role.choices, label="Role")
+    password = forms.CharField(required=False, widget=forms.PasswordInput(
+        attrs={"autocomplete": "new-password"}), label="Password (new people only)",
+        help_text="For someone without an account yet: their account is created with it.")
+
+    def clean_password(self) -> str:
+        password = self.cleaned_data.get("password") or ""
+        if password:
+            from django.contrib.auth.password_validation import validate_password
+
+            validate_password(password)
+        return password
 
 
 class PlanForm(forms.Form):

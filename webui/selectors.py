@@ -71,6 +71,10 @@ class UsageReport:
     by_adapter: list[UsageGroup] = field(default_factory=list)
     by_key: list[UsageGroup] = field(default_factory=list)
 
+    @property
+    def last_day(self) -> date:
+        return self.end - timedelta(days=1)
+
 
 def _query(tenant: Tenant, start: date, end: date,
            group_by: tuple[str, ...] = ()) -> list[billing.UsageBucket]:

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from adapters import selectors as adapter_selectors
 from adapters import services as adapter_services
-from atrium.errors import ApiError, InvalidRequest
+from atrium.errors import ApiError, InvalidRequest, NotFound
 from billing import selectors as billing_selectors
 from billing import services as billing_services
 from tenants import selectors as tenant_selectors
@@ -140,14 +140,26 @@ def tenant_member(request: HttpRequest, slug: str) -> HttpResponse:
     form = forms.MemberAddForm(request.POST)
     if not form.is_valid():
         return refused(request, form_errors(form), "webui:op-tenant", slug=slug)
+    data = form.cleaned_data
     try:
-        user = tenant_selectors.user_get_by_email(email=form.cleaned_data["email"])
-        tenant_services.membership_create(tenant=tenant_access.tenant, user=user,
-                                          role=form.cleaned_data["role"],
-                                          actor=tenant_access.actor)
+        with transaction.atomic():
+            user = _person(data["email"], data["password"])
+            tenant_services.membership_create(tenant=tenant_access.tenant, user=user,
+                                              role=data["role"], actor=tenant_access.actor)
     except ApiError as exc:
         return refused(request, exc, "webui:op-tenant", slug=slug)
     return done(request, "webui:op-tenant", ok=f"{user.email} joined {slug}.", slug=slug)
+
+
+def _person(email: str, password: str):
+    """The user with this email; created with `password` when there is none and one is given."""
+    try:
+        return tenant_selectors.user_get_by_email(email=email)
+    except NotFound:
+        if not password:
+            raise InvalidRequest(f"Nobody has the email {email} yet: give a password to "
+                                 "create their account.") from None
+        return tenant_services.user_create(email=email, password=password)
 
 
 # --- plans ---------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""What the console's pages do, through Django's test client (cheaper than a browser)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from tenants.models import AuditEvent
+from webui.charts import bar_chart
+
+pytestmark = pytest.mark.django_db
+
+
+def _client(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_a_new_key_is_in_its_creation_reply_only_and_never_cached(world):
+    client = _client(world.people["developer"])
+    url = reverse("webui:keys", kwargs={"slug": "acme"})
+    created = client.post(url, {"name": "cli", "scopes": ["inference", "usage"]})
+    assert created.status_code == 200 and created["Cache-Control"] == "no-store"
+    key = world.acme.api_keys.get(name="cli")
+    plaintext = created.context["secret"]["plaintext"]
+    assert plaintext.startswith(key.prefix) and plaintext.encode() in created.content
+    assert key.created_by == world.people["developer"]
+    later = client.get(url)
+    assert plaintext.encode() not in later.content and key.prefix.encode() in later.content
+    assert AuditEvent.objects.filter(action="api_key.create", target_id=str(key.pk),
+                                     actor="user:developer@acme.test").exists()
+
+
+def test_rotating_shows_the_replacement_once_and_keeps_the_old_key_for_its_grace(world):
+    from tenants.selectors import api_key_denial
+
+    client = _client(world.people["owner"])
+    key_id = world.objects["key_id"]
+    reply = client.post(reverse("webui:key-rotate", kwargs={"slug": "acme", "key_id": key_id}),
+                        {"grace_hours": "2"})
+    assert reply.status_code == 200 and reply.context["secret"]["rotated"]
+    old = world.acme.api_keys.get(pk=key_id)
+    assert old.replaced_by_id is not None and api_key_denial(old) is None
+    assert timedelta(hours=1.9) < old.expires_at - datetime.now(UTC) <= timedelta(hours=2)
+
+
+def test_viewers_are_shown_no_forms_they_may_not_use(world):
+    page = _client(world.people["viewer"]).get(reverse("webui:keys", kwargs={"slug": "acme"}))
+    assert b"Create a key" not in page.content and b"Manage" not in page.content
+    nav = _client(world.people["viewer"]).get(reverse("webui:overview", kwargs={"slug": "acme"}))
+    assert b"/console/t/acme/audit" not in nav.content
+    assert b"/console/t/acme/billing" not in nav.content
+
+
+def test_a_person_in_two_tenants_chooses_and_can_switch(world):
+    from tenants.services import membership_create
+
+    owner = world.people["owner"]
+    membership_create(tenant=world.other, user=owner, role="viewer")
+    client = _client(owner)
+    home = client.get(reverse("webui:home"))
+    assert home.status_code == 200 and {t.slug for t in home.context["tenants"]} == {
+        "acme", "other"}
+    page = client.get(reverse("webui:overview", kwargs={"slug": "other"}))
+    assert page.context["role"] == "viewer"
+    assert [slug for slug, _ in page.context["switchable"]] == ["acme", "other"]
+
+
+def test_an_invitation_token_is_shown_once_and_joins_its_invitee(world):
+    from tests.factories import user_factory
+
+    reply = _client(world.people["admin"]).post(
+        reverse("webui:member-invite", kwargs={"slug": "acme"}),
+        {"email": "newbie@acme.test", "role": "developer"})
+    assert reply.status_code == 200 and reply["Cache-Control"] == "no-store"
+    token = reply.context["token"]
+    newbie = user_factory(email="newbie@acme.test")
+    joined = _client(newbie).post(reverse("webui:invitation-accept"), {"token": token})
+    assert joined.status_code == 302
+    assert world.acme.memberships.get(user=newbie).role == "developer"
+
+
+def test_an_operator_overrides_a_quota_and_the_audit_names_them(world):
+    client = _client(world.staff)
+    reply = client.post(reverse("webui:op-tenant-quota", kwargs={"slug": "acme"}),
+                        {"requests_per_minute": "7"})
+    assert reply.status_code == 302
+    event = AuditEvent.objects.filter(action="tenant.quota.update").latest("id")
+    assert event.actor == "user:ops@atrium.test" and event.after["requests_per_minute"] == 7
+    quotas = _client(world.people["viewer"]).get(reverse("webui:quotas", kwargs={"slug": "acme"}))
+    row = next(r for r in quotas.context["q"].rows if r.name == "requests_per_minute")
+    assert (row.override, row.effective) == (7, 7)
+
+
+def test_a_finished_export_downloads_and_an_unfinished_one_does_not(world, settings, tmp_path):
+    from django.core.files.storage import storages
+
+    from billing.models import Export
+    from billing.services import export_build
+
+    settings.STORAGES = {**settings.STORAGES, "billing-exports": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path)}}}
+    storages._storages.pop("billing-exports", None)
+    storages.backends = settings.STORAGES
+    try:
+        client = _client(world.people["billing"])
+        url = reverse("webui:export-download",
+                      kwargs={"slug": "acme", "export_id": world.objects["export_id"]})
+        assert client.get(url).status_code == 302  # pending: back to the billing page
+        export_build(export_id=world.objects["export_id"])
+        download = client.get(url)
+        assert download.status_code == 200
+        body = b"".join(download.streaming_content).decode()
+        assert body.splitlines()[0].startswith("tenant,request_id")
+        assert all(line.startswith("acme,") for line in body.splitlines()[1:])
+        assert Export.objects.get(pk=world.objects["export_id"]).rows == len(
+            body.splitlines()) - 1
+    finally:
+        storages._storages.pop("billing-exports", None)
+
+
+def test_request_logs_filter_by_status_and_show_only_this_tenant(world):
+    from requestlogs.services import RequestLogEntry, request_log_record
+
+    request_log_record(entry=RequestLogEntry(request_id="acmefail", tenant_id=world.acme.pk,
+                                             endpoint="chat", transport="http", model="m",
+                                             status=429, error_code="rate_limit_exceeded"))
+    client = _client(world.people["developer"])
+    url = reverse("webui:logs", kwargs={"slug": "acme"})
+    everything = client.get(url).context["logs"]
+    assert {log.request_id for log in everything} == {"acmefail", "acme0000feed"}
+    failed = client.get(url, {"status": "429"}).context["logs"]
+    assert [log.request_id for log in failed] == ["acmefail"]
+    assert client.get(url, {"status": "abc"}).status_code == 400
+
+
+def test_a_bar_chart_scales_to_a_round_maximum_and_marks_emptiness():
+    chart = bar_chart([("a", 0), ("b", 30), ("c", 60)], title="t", height=200)
+    heights = [b.height for b in chart.bars]
+    assert heights[0] == 0 and heights[2] == pytest.approx(2 * heights[1])
+    assert chart.ticks[-1].text == "100" and not chart.empty
+    assert bar_chart([("a", 0)], title="t").empty
+
+
+def test_an_operator_adds_a_new_person_who_can_then_sign_in(world):
+    reply = _client(world.staff).post(
+        reverse("webui:op-tenant-member", kwargs={"slug": "acme"}),
+        {"email": "Fresh@Acme.test", "role": "billing", "password": "a long enough secret 42"})
+    assert reply.status_code == 302
+    member = world.acme.memberships.get(user__email="fresh@acme.test")
+    assert member.role == "billing"
+    client = Client()
+    assert client.login(username="fresh@acme.test", password="a long enough secret 42")
+    assert client.get(reverse("webui:billing", kwargs={"slug": "acme"})).status_code == 200
+
+
+def test_adding_an_unknown_person_without_a_password_changes_nothing(world):
+    reply = _client(world.staff).post(
+        reverse("webui:op-tenant-member", kwargs={"slug": "acme"}),
+        {"email": "ghost@acme.test", "role": "viewer"}, follow=True)
+    assert b"give a password" in reply.content
+    assert not world.acme.memberships.filter(user__email="ghost@acme.test").exists()
