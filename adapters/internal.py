@@ -10,10 +10,11 @@ from __future__ import annotations
 import hmac
 
 from django.conf import settings
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from adapters.storage import AdapterFiles
+from atrium.downloads import FileDownload
 
 
 @require_GET
@@ -26,7 +27,7 @@ def adapter_file(request: HttpRequest, adapter_hash: str, filename: str) -> Http
         return JsonResponse({"error": {"message": "not found", "type": "invalid_request_error",
                                        "param": None, "code": "not_found"}}, status=404)
     try:
-        return FileResponse(files.open(adapter_hash, filename),
+        return FileDownload(files.open(adapter_hash, filename),
                             content_type="application/octet-stream")
     except FileNotFoundError:
         return JsonResponse({"error": {"message": "not found", "type": "invalid_request_error",

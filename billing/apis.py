@@ -13,7 +13,6 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.http import FileResponse
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -26,6 +25,7 @@ from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from atrium.downloads import FileDownload
 from atrium.errors import ApiError, Conflict, InvalidRequest
 from billing import selectors, services
 from billing.exports import CONTENT_TYPES, export_storage
@@ -477,7 +477,7 @@ class ExportContentApi(TenantApi):
         if export.status != Export.Status.SUCCEEDED:
             raise Conflict(f"export {export.pk} is {export.status}, not ready to download",
                            code="export_not_ready")
-        response = FileResponse(export_storage().open(export.file_name, "rb"),
+        response = FileDownload(export_storage().open(export.file_name, "rb"),
                                 as_attachment=True,
                                 filename=f"{tenant_access.tenant.slug}-{export.kind}-"
                                 f"{export.pk}.{export.format}",

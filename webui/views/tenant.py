@@ -12,13 +12,14 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_http_methods
 
 from adapters import selectors as adapter_selectors
 from adapters import services as adapter_services
+from atrium.downloads import FileDownload
 from atrium.errors import ApiError
 from billing import selectors as billing_selectors
 from billing import services as billing_services
@@ -248,7 +249,7 @@ def export_download(request: HttpRequest, tenant_access: TenantAccess,
     if export.status != Export.Status.SUCCEEDED:
         return refused(request, f"Export {export.pk} is {export.status}; only a finished "
                        "export can be downloaded.", "webui:billing", slug=tenant_access.tenant.slug)
-    response = FileResponse(export_storage().open(export.file_name, "rb"), as_attachment=True,
+    response = FileDownload(export_storage().open(export.file_name, "rb"), as_attachment=True,
                             filename=f"{tenant_access.tenant.slug}-{export.kind}-{export.pk}."
                                      f"{export.format}",
                             content_type=CONTENT_TYPES[export.format])
