@@ -114,12 +114,14 @@ class AdapterCreateApi(TenantApi):
             archive = data["archive"]
             adapter = services.upload_archive(
                 tenant=tenant, name=data["name"], base_model=base, data=archive,
-                size=archive.size, filename=archive.name, created_by=label)
+                size=archive.size, filename=archive.name, created_by=label,
+                actor=tenant_access.actor)
         elif data.get("adapter_config") and data.get("adapter_model"):
             config, weights = data["adapter_config"], data["adapter_model"]
             adapter = services.upload_files(
                 tenant=tenant, name=data["name"], base_model=base, config=config,
-                weights=weights, size=config.size + weights.size, created_by=label)
+                weights=weights, size=config.size + weights.size, created_by=label,
+                actor=tenant_access.actor)
         else:
             raise InvalidRequest("send the adapter as 'archive' (.zip or .tar.gz), or as "
                                  "'adapter_config' and 'adapter_model' (.safetensors)",
@@ -142,7 +144,7 @@ class AdapterDeleteApi(TenantApi):
         tenant_access = self.access(slug)
         adapter = selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
         access.authorize(tenant_access, "adapter.delete")
-        services.adapter_delete(adapter=adapter)
+        services.adapter_delete(adapter=adapter, actor=tenant_access.actor)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -157,7 +159,8 @@ class AdapterVisibilityApi(TenantApi):
         adapter = selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
         access.authorize(tenant_access, "adapter.publish")
         data = validated(AdapterVisibilityApi.InputSerializer, request.data)
-        adapter = services.adapter_set_visibility(adapter=adapter, public=data["public"])
+        adapter = services.adapter_set_visibility(adapter=adapter, public=data["public"],
+                                                  actor=tenant_access.actor)
         return Response(AdapterSerializer(adapter).data)
 
 
@@ -235,7 +238,7 @@ class UploadCompleteApi(TenantApi):
                    request=None, responses={202: AdapterSerializer})
     def post(self, request, slug: str, upload_id) -> Response:
         upload = _upload(self, slug, upload_id, "adapter.create")
-        adapter = services.upload_complete(upload=upload)
+        adapter = services.upload_complete(upload=upload, actor=self.actor())
         return Response(AdapterSerializer(adapter).data, status=status.HTTP_202_ACCEPTED)
 
 

@@ -28,7 +28,9 @@ from adapters.storage import AdapterFiles
 from atrium.errors import ApiError, InvalidRequest
 from engine import protocol
 from engine.lora.store import CONFIG_FILE, WEIGHTS_FILE
+from tenants.access import SYSTEM, Actor
 from tenants.models import Tenant
+from tenants.services import audit_record
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,12 @@ def upload_append(*, upload: AdapterUpload, offset: int, data: BinaryIO,
     return upload
 
 
-def upload_complete(*, upload: AdapterUpload) -> Adapter:
+def _snapshot(adapter: Adapter) -> dict:
+    return {"name": adapter.name, "version": adapter.version, "base_model": adapter.base_model,
+            "visibility": adapter.visibility, "content_hash": adapter.content_hash}
+
+
+def upload_complete(*, upload: AdapterUpload, actor: Actor = SYSTEM) -> Adapter:
     """Turns a fully received upload into a new adapter version and queues its validation."""
     with transaction.atomic():
         upload = AdapterUpload.objects.select_for_update().get(pk=upload.pk)
@@ -153,22 +160,25 @@ def upload_complete(*, upload: AdapterUpload) -> Adapter:
         adapter = _new_version(tenant=upload.tenant, name=upload.name,
                                base_model=upload.base_model, upload=upload,
                                created_by=upload.created_by)
+        audit_record(tenant=upload.tenant, actor=actor, action="adapter.create",
+                     target_type="adapter", target_id=adapter.pk, after=_snapshot(adapter))
         transaction.on_commit(lambda: _queue_validation(adapter))
     _publish(adapter)
     return adapter
 
 
 def upload_archive(*, tenant: Tenant, name: str, base_model: str, data: BinaryIO, size: int,
-                   filename: str = "", created_by: str = "") -> Adapter:
+                   filename: str = "", created_by: str = "", actor: Actor = SYSTEM) -> Adapter:
     """A whole archive in one request."""
     upload = upload_create(tenant=tenant, name=name, base_model=base_model, size=size,
                            filename=filename, created_by=created_by)
     upload = _store_whole(upload, {"": data})
-    return upload_complete(upload=upload)
+    return upload_complete(upload=upload, actor=actor)
 
 
 def upload_files(*, tenant: Tenant, name: str, base_model: str, config: BinaryIO,
-                 weights: BinaryIO, size: int, created_by: str = "") -> Adapter:
+                 weights: BinaryIO, size: int, created_by: str = "",
+                 actor: Actor = SYSTEM) -> Adapter:
     """adapter_config.json and adapter_model.safetensors as two files."""
     _check_name(name)
     _check_size(size)
@@ -177,7 +187,7 @@ def upload_files(*, tenant: Tenant, name: str, base_model: str, config: BinaryIO
         size=size, created_by=created_by, expires_at=timezone.now() + timedelta(
             seconds=settings.ATRIUM_ADAPTER_UPLOAD_TTL_S))
     upload = _store_whole(upload, {CONFIG_FILE: config, WEIGHTS_FILE: weights})
-    return upload_complete(upload=upload)
+    return upload_complete(upload=upload, actor=actor)
 
 
 def _store_whole(upload: AdapterUpload, parts: dict[str, BinaryIO]) -> AdapterUpload:
@@ -289,15 +299,21 @@ def _check_config_json(path: Path) -> None:
 
 # -- after validation ---------------------------------------------------------------------
 
-def adapter_set_visibility(*, adapter: Adapter, public: bool) -> Adapter:
+def adapter_set_visibility(*, adapter: Adapter, public: bool,
+                           actor: Actor = SYSTEM) -> Adapter:
     """Operators only (callers check): a public adapter is callable by every tenant."""
+    before = _snapshot(adapter)
     adapter.visibility = Visibility.PUBLIC if public else Visibility.PRIVATE
     adapter.updated_at = timezone.now()
-    adapter.save(update_fields=["visibility", "updated_at"])
+    with transaction.atomic():
+        adapter.save(update_fields=["visibility", "updated_at"])
+        audit_record(tenant=adapter.tenant, actor=actor, action="adapter.visibility",
+                     target_type="adapter", target_id=adapter.pk, before=before,
+                     after=_snapshot(adapter))
     return adapter
 
 
-def adapter_delete(*, adapter: Adapter) -> None:
+def adapter_delete(*, adapter: Adapter, actor: Actor = SYSTEM) -> None:
     """Removes the version; its files go when no other version holds the same content.
 
     Engines are told to drop it from memory; its prefix-cache entries were keyed by its
@@ -305,6 +321,8 @@ def adapter_delete(*, adapter: Adapter) -> None:
     """
     content_hash, adapter_id = adapter.content_hash, adapter.pk
     with transaction.atomic():
+        audit_record(tenant=adapter.tenant, actor=actor, action="adapter.delete",
+                     target_type="adapter", target_id=adapter_id, before=_snapshot(adapter))
         adapter.delete()
         adapter.pk = adapter_id  # for the event below
         shared = bool(content_hash) and Adapter.objects.filter(

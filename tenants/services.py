@@ -323,9 +323,10 @@ def api_key_revoke(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM) -> Api
 
 @transaction.atomic
 def api_key_rotate(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM,
-                   grace_seconds: int | None = None, created_by=None) -> tuple[ApiKey, str]:
-    """A new key with the same name, scopes, expiry and limits; the old one keeps working
-    for `grace_seconds` (ATRIUM_KEY_ROTATION_GRACE_S by default), then fails.
+                   grace_seconds: int | None = None) -> tuple[ApiKey, str]:
+    """A new key with the same name, scopes, expiry, limits and owner (an admin rotating a
+    developer's key leaves it the developer's); the old one keeps working for
+    `grace_seconds` (ATRIUM_KEY_ROTATION_GRACE_S by default), then fails.
     Returns the new key and its plaintext, shown once.
     """
     grace = settings.ATRIUM_KEY_ROTATION_GRACE_S if grace_seconds is None else grace_seconds
@@ -342,7 +343,7 @@ def api_key_rotate(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM,
     secret = keys.generate()
     new = ApiKey.objects.create(tenant=tenant, name=old.name, prefix=secret.prefix,
                                 digest=secret.digest, scopes=list(old.scopes),
-                                expires_at=old.expires_at, created_by=created_by)
+                                expires_at=old.expires_at, created_by=old.created_by)
     override = selectors.quota_override_get(tenant=tenant, api_key=old)
     if override is not None:
         QuotaOverride.objects.create(tenant=tenant, api_key=new, **{

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 from django import forms
+from django.core.validators import MaxValueValidator, MinValueValidator
 
 from billing.models import Export
 from tenants.models import QUOTA_FIELDS, Role, Scope
@@ -23,13 +24,21 @@ def _end_of_day(day) -> datetime:
     return datetime.combine(day, time(23, 59, 59), tzinfo=UTC)
 
 
+class DayField(forms.DateField):
+    """A calendar day (a date picker), within years a ledger can hold: the views add a day
+    to an inclusive end, which `date.max` would overflow."""
+
+    widget = forms.DateInput(attrs={"type": "date"})
+    default_validators = [MinValueValidator(date(2000, 1, 1)),
+                          MaxValueValidator(date(9998, 12, 31))]
+
+
 class KeyCreateForm(forms.Form):
     name = forms.CharField(max_length=200, label="Name",
                            help_text="What it is for, e.g. “production backend”.")
     scopes = forms.MultipleChoiceField(widget=forms.CheckboxSelectMultiple, label="Scopes")
-    expires_on = forms.DateField(required=False, label="Expires on (optional)",
-                                 widget=forms.DateInput(attrs={"type": "date"}),
-                                 help_text="The key stops working at the end of this day (UTC).")
+    expires_on = DayField(required=False, label="Expires on (optional)",
+                          help_text="The key stops working at the end of this day (UTC).")
 
     def __init__(self, *args: Any, grantable: frozenset[str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,10 +62,8 @@ class RotateForm(forms.Form):
 class ExportForm(forms.Form):
     kind = forms.ChoiceField(choices=Export.Kind.choices, label="What")
     format = forms.ChoiceField(choices=Export.Format.choices, label="Format")
-    start = forms.DateField(label="From (UTC, inclusive)",
-                            widget=forms.DateInput(attrs={"type": "date"}))
-    end = forms.DateField(label="To (UTC, inclusive)",
-                          widget=forms.DateInput(attrs={"type": "date"}))
+    start = DayField(label="From (UTC, inclusive)")
+    end = DayField(label="To (UTC, inclusive)")
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
@@ -80,21 +87,20 @@ class AdapterUploadForm(forms.Form):
 
 
 class LogFilterForm(forms.Form):
-    since = forms.DateField(required=False, label="From (UTC)",
-                            widget=forms.DateInput(attrs={"type": "date"}))
-    until = forms.DateField(required=False, label="To (UTC, inclusive)",
-                            widget=forms.DateInput(attrs={"type": "date"}))
+    since = DayField(required=False, label="From (UTC)")
+    until = DayField(required=False, label="To (UTC, inclusive)")
     model = forms.CharField(required=False, max_length=200, label="Model")
     adapter = forms.CharField(required=False, max_length=200, label="Adapter")
     key = forms.TypedChoiceField(required=False, coerce=int, empty_value=None, label="API key")
     status = forms.IntegerField(required=False, min_value=100, max_value=599, label="Status")
-    before = forms.IntegerField(required=False, min_value=1, widget=forms.HiddenInput)
 
     def __init__(self, *args: Any, keys: list[tuple[int, str]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fields["key"].choices = [("", "any key"), *keys]
 
-    def filters(self):
+    def filters(self, *, before: int | None = None):
+        """The filters; `before` is the page cursor, kept out of the form so that changing
+        a filter on an older page starts again from the newest match."""
         from requestlogs.selectors import RequestLogFilter
 
         d = self.cleaned_data
@@ -103,7 +109,7 @@ class LogFilterForm(forms.Form):
             until=(datetime.combine(d["until"], time(0), tzinfo=UTC) + timedelta(days=1)
                    if d.get("until") else None),
             model=d.get("model") or None, adapter=d.get("adapter") or None,
-            api_key_id=d.get("key"), status=d.get("status"), before=d.get("before"))
+            api_key_id=d.get("key"), status=d.get("status"), before=before)
 
 
 class LogPolicyForm(forms.Form):
@@ -129,7 +135,6 @@ class AcceptInvitationForm(forms.Form):
 class AuditFilterForm(forms.Form):
     action = forms.CharField(required=False, max_length=64, label="Action",
                              help_text="e.g. api_key.create")
-    before = forms.IntegerField(required=False, min_value=1, widget=forms.HiddenInput)
 
 
 class UsageRangeForm(forms.Form):

@@ -22,9 +22,11 @@ class ContentSecurityPolicy:
                 host = request.get_host()
             except DisallowedHost:
                 return response  # already refused with 400
+            # Sockets to this host only, and only encrypted ones on a page served over TLS.
+            sockets = f"wss://{host}" if request.is_secure() else f"ws://{host} wss://{host}"
             response.setdefault("Content-Security-Policy", "; ".join([
                 "default-src 'self'", "script-src 'self'", "style-src 'self'",
-                "img-src 'self' data:", f"connect-src 'self' ws://{host} wss://{host}",
+                "img-src 'self' data:", f"connect-src 'self' {sockets}",
                 "form-action 'self'", "frame-ancestors 'none'", "base-uri 'none'",
                 "object-src 'none'"]))
         return response

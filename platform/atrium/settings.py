@@ -266,6 +266,12 @@ if PRODUCTION:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # Browsers keep to HTTPS for a year once they have seen the console over it. Redirecting
+    # plain HTTP is usually the TLS proxy's job; ATRIUM_SSL_REDIRECT=1 makes it Django's,
+    # except for the health check and the engines' internal fetches.
+    SECURE_HSTS_SECONDS = int(os.environ.get("ATRIUM_HSTS_SECONDS", str(365 * 24 * 3600)))
+    SECURE_SSL_REDIRECT = os.environ.get("ATRIUM_SSL_REDIRECT", "0") == "1"
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^internal/"]
 
 LOGGING = {
     "version": 1,

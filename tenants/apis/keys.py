@@ -121,7 +121,7 @@ class ApiKeyRotateApi(TenantApi):
         data = validated(ApiKeyRotateApi.InputSerializer, request.data or {})
         new, plaintext = services.api_key_rotate(
             tenant=tenant_access.tenant, key_id=key.pk, actor=tenant_access.actor,
-            grace_seconds=data.get("grace_seconds"), created_by=_user_or_none(request))
+            grace_seconds=data.get("grace_seconds"))
         old = selectors.api_key_get(tenant=tenant_access.tenant, key_id=key.pk)
         return Response({"old": _key(old).data, "new": {**_key(new).data, "key": plaintext}},
                         status=status.HTTP_201_CREATED)

@@ -318,8 +318,19 @@ def test_only_operators_publish_and_viewers_only_read(api_server, celery_worker,
         res = session.post(f"{base}/adapters/{adapter['id']}/visibility", json={"public": True})
         assert res.status_code == expected_publish, res.text
     from adapters.models import Adapter
+    from tenants.models import AuditEvent
 
     assert Adapter.objects.get(pk=adapter["id"]).visibility == "public"
+    assert client.delete(f"/adapters/{adapter['id']}").status_code == 204
+    # Who made it, who published it (once: the refused tries left nothing) and who deleted it.
+    trail = [(e.action, e.actor, (e.before or {}).get("visibility"),
+              (e.after or {}).get("visibility"))
+             for e in AuditEvent.objects.filter(tenant=tenant, target_type="adapter",
+                                                target_id=str(adapter["id"]))
+             .order_by("pk")]
+    assert trail == [("adapter.create", f"key:{key.prefix}", None, "private"),
+                     ("adapter.visibility", "user:op@example.com", "private", "public"),
+                     ("adapter.delete", f"key:{key.prefix}", "public", None)]
 
 
 def test_status_changes_are_pushed_over_a_websocket(api_server, celery_worker, key, trained,

@@ -18,6 +18,8 @@ def test_health_reports_live_engines(api_server, engine_worker):
     assert body == {"status": "ok", "redis": True, "engines": 1}
 
 
-def test_index_page_lists_the_model_and_engine(api_server, engine_worker, served_model):
+def test_index_page_names_the_model_but_not_the_engines_to_strangers(api_server, engine_worker,
+                                                                     served_model):
     page = httpx.get(f"{api_server}/").text
-    assert served_model in page and engine_worker.engine_id in page
+    assert served_model in page and "1 engine serving" in page
+    assert engine_worker.engine_id not in page  # ids and queues are for operators

@@ -165,3 +165,75 @@ def test_adding_an_unknown_person_without_a_password_changes_nothing(world):
         {"email": "ghost@acme.test", "role": "viewer"}, follow=True)
     assert b"give a password" in reply.content
     assert not world.acme.memberships.filter(user__email="ghost@acme.test").exists()
+
+
+def test_an_admin_rotating_a_developers_key_leaves_both_keys_the_developers(world):
+    from tenants.services import api_key_create
+
+    developer = world.people["developer"]
+    key, _ = api_key_create(tenant=world.acme, name="dev", scopes=["inference"],
+                            created_by=developer)
+    reply = _client(world.people["admin"]).post(
+        reverse("webui:key-rotate", kwargs={"slug": "acme", "key_id": key.pk}),
+        {"grace_hours": "24"})
+    assert reply.status_code == 200
+    old = world.acme.api_keys.get(pk=key.pk)
+    assert old.replaced_by.created_by == developer
+    # ...so the developer still manages it, and may revoke the old one inside its grace
+    # (a leaked key must not wait out the grace period).
+    keys_page = _client(developer).get(reverse("webui:keys", kwargs={"slug": "acme"}))
+    assert reverse("webui:key-revoke", kwargs={"slug": "acme", "key_id": old.pk}).encode() \
+        in keys_page.content
+    assert old.replaced_by_id in keys_page.context["manageable"]
+    revoked = _client(developer).post(
+        reverse("webui:key-revoke", kwargs={"slug": "acme", "key_id": old.pk}))
+    assert revoked.status_code == 302
+    assert world.acme.api_keys.get(pk=old.pk).revoked_at is not None
+
+
+@pytest.mark.parametrize("field", ["since", "until"])
+def test_a_date_past_the_calendar_is_a_form_error_not_a_crash(world, field):
+    client = _client(world.people["developer"])
+    reply = client.get(reverse("webui:logs", kwargs={"slug": "acme"}), {field: "9999-12-31"})
+    assert reply.status_code == 400 and field in reply.context["form"].errors
+
+
+def test_an_export_ending_at_the_end_of_time_is_refused_and_nothing_is_made(world):
+    from billing.models import Export
+
+    before = Export.objects.count()
+    reply = _client(world.people["billing"]).post(
+        reverse("webui:export-create", kwargs={"slug": "acme"}),
+        {"kind": "ledger", "format": "csv", "start": "2026-01-01", "end": "9999-12-31"},
+        follow=True)
+    assert reply.status_code == 200 and b"9998-12-31" in reply.content
+    assert Export.objects.count() == before
+
+
+def test_an_export_range_is_shown_by_its_last_day(world):
+    from billing.models import Export
+
+    Export.objects.filter(pk=world.objects["export_id"]).update(
+        start=datetime(2026, 11, 1, tzinfo=UTC), end=datetime(2026, 11, 16, tzinfo=UTC))
+    page = _client(world.people["billing"]).get(reverse("webui:billing", kwargs={"slug": "acme"}))
+    assert b"2026-11-01 \xe2\x80\x93 2026-11-15" in page.content
+
+
+def test_changing_a_filter_on_an_older_page_starts_from_the_newest_match(world):
+    from requestlogs.models import RequestLog
+    from requestlogs.services import RequestLogEntry, request_log_record
+
+    for i in range(3):
+        request_log_record(entry=RequestLogEntry(request_id=f"acmeold{i}", tenant_id=world.acme.pk,
+                                                 endpoint="chat", transport="http", model="m",
+                                                 status=200))
+    newest = RequestLog.objects.filter(tenant=world.acme).latest("pk")
+    url = reverse("webui:logs", kwargs={"slug": "acme"})
+    older = _client(world.people["developer"]).get(url, {"before": str(newest.pk)})
+    assert newest.request_id not in {log.request_id for log in older.context["logs"]}
+    # The filter form carries no cursor: submitting it asks for the newest page again.
+    assert b'name="before"' not in older.content
+    again = _client(world.people["developer"]).get(url, {"status": "200"})
+    assert newest.request_id in {log.request_id for log in again.context["logs"]}
+    for junk in ("-1", "abc", "9" * 40):
+        assert _client(world.people["developer"]).get(url, {"before": junk}).status_code == 200

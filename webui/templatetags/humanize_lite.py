@@ -1,7 +1,8 @@
-"""Number formats for the console: thousands separators and money."""
+"""Formats for the console: thousands separators, money, ranges."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 
 from django import template
@@ -52,3 +53,14 @@ def as_json(value) -> str:
     import json
 
     return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+@register.filter
+def last_day(end):
+    """An exclusive end as the last day it covers: midnight of Dec 16 ends a range whose
+    last day is Dec 15. An end inside a day (an API caller's) is that day."""
+    if end is None:
+        return None
+    if (end.hour, end.minute, end.second, end.microsecond) == (0, 0, 0, 0):
+        return end - timedelta(days=1)
+    return end

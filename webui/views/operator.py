@@ -260,7 +260,8 @@ def adapter_visibility(request: HttpRequest, slug: str, adapter_id: int) -> Http
     tenant_access = _operator_tenant(request, slug)
     found = adapter_selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
     public = request.POST.get("public") == "1"
-    adapter_services.adapter_set_visibility(adapter=found, public=public)
+    adapter_services.adapter_set_visibility(adapter=found, public=public,
+                                            actor=tenant_access.actor)
     return done(request, "webui:op-adapters", ok=f"{slug}/{found.name}@{found.version} is now "
                 f"{'public' if public else 'private'}.")
 

@@ -11,8 +11,11 @@ from webui.selectors import engine_heartbeats
 def index(request: HttpRequest) -> HttpResponse:
     from atrium.inference.served_models import served_models
 
-    return render(request, "webui/index.html",
-                  {"engines": engine_heartbeats(), "models": list(served_models())})
+    engines = engine_heartbeats()
+    # Engine ids and queue depths are the operator's business; others learn if any is up.
+    return render(request, "webui/index.html", {
+        "engines": engines if request.user.is_staff else [], "alive": len(engines),
+        "models": list(served_models())})
 
 
 def healthz(request: HttpRequest) -> HttpResponse:

@@ -168,7 +168,7 @@ def key_rotate(request: HttpRequest, tenant_access: TenantAccess, key_id: int) -
     try:
         new, plaintext = tenant_services.api_key_rotate(
             tenant=tenant_access.tenant, key_id=key.pk, actor=tenant_access.actor,
-            grace_seconds=form.grace_seconds(), created_by=request.user)
+            grace_seconds=form.grace_seconds())
     except ApiError as exc:
         return refused(request, exc, "webui:keys", slug=slug)
     return _keys_page(request, tenant_access, secret={
@@ -284,7 +284,8 @@ def adapters(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
                 created = adapter_services.upload_archive(
                     tenant=tenant, name=form.cleaned_data["name"],
                     base_model=next(iter(served_models())), data=archive, size=archive.size,
-                    filename=archive.name, created_by=tenant_access.actor.label)
+                    filename=archive.name, created_by=tenant_access.actor.label,
+                    actor=tenant_access.actor)
             except ApiError as exc:
                 return refused(request, exc, "webui:adapters", slug=tenant.slug)
             return done(request, "webui:adapters", ok=f"{created.name} version "
@@ -300,7 +301,7 @@ def adapter_delete(request: HttpRequest, tenant_access: TenantAccess,
                    adapter_id: int) -> HttpResponse:
     found = adapter_selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
     label = f"{found.name} version {found.version}"
-    adapter_services.adapter_delete(adapter=found)
+    adapter_services.adapter_delete(adapter=found, actor=tenant_access.actor)
     return done(request, "webui:adapters", ok=f"{label} is deleted.",
                 slug=tenant_access.tenant.slug)
 
@@ -319,7 +320,8 @@ def logs(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
         return page(request, "webui/tenant/logs.html", {"form": form, "logs": [],
                                                          "policy": None},
                     tenant_access=tenant_access, section="logs", status=400)
-    filters = form.filters() if request.GET else log_selectors.RequestLogFilter()
+    filters = (form.filters(before=_cursor(request)) if form.is_bound
+               else log_selectors.RequestLogFilter())
     found = console.log_page(tenant=tenant, filters=filters, limit=LOG_PAGE)
     policy = log_selectors.log_policy_get(tenant_id=tenant.pk)
     return page(request, "webui/tenant/logs.html", {
@@ -467,10 +469,16 @@ def audit(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
     form = forms.AuditFilterForm(request.GET or None)
     query = form.cleaned_data if form.is_valid() else {}
     found = console.audit_page(tenant=tenant_access.tenant, action=query.get("action") or None,
-                               before=query.get("before"), limit=AUDIT_PAGE)
+                               before=_cursor(request), limit=AUDIT_PAGE)
     return page(request, "webui/tenant/audit.html",
                 {"form": form, "events": found.items, "more": _next(request, found)},
                 tenant_access=tenant_access, section="audit")
+
+
+def _cursor(request: HttpRequest) -> int | None:
+    """The `before` cursor of an older page; anything but a positive id is the first page."""
+    before = request.GET.get("before", "")
+    return int(before) if before.isdigit() and 0 < int(before) < 2**63 else None
 
 
 def _next(request: HttpRequest, found: console.Page) -> str | None:

@@ -53,10 +53,16 @@
   });
 
   // --- adapters: live status -----------------------------------------------------------
+  // A version made elsewhere (a teammate) is shown by reloading the page, but never in the
+  // middle of this page's own upload: that waits until the upload ends.
+  let uploading = false;
+  let listChanged = false;
+
   function setAdapterStatus(event) {
     const row = document.querySelector(`[data-adapter-id="${event.id}"]`);
     if (!row) {
-      if (event.status !== "deleted") location.reload(); // a version made elsewhere
+      if (event.status === "deleted") return;
+      if (uploading) listChanged = true; else location.reload();
       return;
     }
     if (event.status === "deleted") { row.remove(); return; }
@@ -139,6 +145,7 @@
       const button = uploadForm.querySelector('button[type="submit"]');
       if (!name || !file) { say("Give a name and choose an archive."); return; }
       button.disabled = true;
+      uploading = true;
       try {
         const started = await send("POST", `${api}/adapter-uploads`,
           JSON.stringify({ name, size: file.size, filename: file.name }),
@@ -172,7 +179,9 @@
         say(`${done.data.name} version ${done.data.version} is uploaded and being validated.`);
         location.reload();
       } catch (err) {
-        say(`The upload failed: ${err.message}`);
+        uploading = false;
+        say(`The upload failed: ${err.message}${listChanged
+          ? " (Other versions were added meanwhile: reload the page to see them.)" : ""}`);
         button.disabled = false;
       }
     });
