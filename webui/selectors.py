@@ -257,8 +257,9 @@ class Quotas:
 
 def quotas_get(*, tenant: Tenant) -> Quotas:
     """The plan's limits, the tenant's overrides, the effective limits and what is in use:
-    requests in flight and this month's tokens (the admission counters in Redis)."""
-    from atrium.inference.admission import month_window, quota_key
+    the per-minute buckets, requests in flight and this month's tokens (the admission
+    counters in Redis, read at Redis's clock as admission does)."""
+    from atrium.inference.admission import bucket_in_use, month_window, quota_key
     from tenants.models import QUOTA_FIELDS
 
     plan = tenant.plan
@@ -266,12 +267,17 @@ def quotas_get(*, tenant: Tenant) -> Quotas:
     effective = tenants.tenant_limits(tenant=tenant, override=override)
     month, _ = month_window()
     client = sync_client()
-    now_ms = int(time.time() * 1000)
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
     with client.pipeline(transaction=False) as pipe:
+        pipe.get(quota_key("t", tenant.pk, "rpm"))
+        pipe.get(quota_key("t", tenant.pk, "tpm"))
         pipe.zcount(quota_key("t", tenant.pk, "inflight"), now_ms, "+inf")
         pipe.get(quota_key("t", tenant.pk, f"tokens:{month}"))
-        inflight, month_tokens = pipe.execute()
-    used = {"max_concurrent_requests": int(inflight or 0),
+        rpm_tat, tpm_tat, inflight, month_tokens = pipe.execute()
+    used = {"requests_per_minute": bucket_in_use(rpm_tat, now_ms, effective.requests_per_minute),
+            "tokens_per_minute": bucket_in_use(tpm_tat, now_ms, effective.tokens_per_minute),
+            "max_concurrent_requests": int(inflight or 0),
             "monthly_token_cap": int(month_tokens or 0)}
     rows = [QuotaRow(name=f, plan=getattr(plan, f),
                      override=getattr(override, f) if override else None,

@@ -237,3 +237,54 @@ def test_changing_a_filter_on_an_older_page_starts_from_the_newest_match(world):
     assert newest.request_id in {log.request_id for log in again.context["logs"]}
     for junk in ("-1", "abc", "9" * 40):
         assert _client(world.people["developer"]).get(url, {"before": junk}).status_code == 200
+
+
+def test_the_overview_chart_has_its_figures_as_a_table_for_screen_readers(world):
+    import re
+
+    page = _client(world.people["viewer"]).get(reverse("webui:overview", kwargs={"slug": "acme"}))
+    table = re.search(rb'<table id="overview-tokens-data">(.*?)</table>', page.content, re.S)
+    assert table is not None
+    rows = re.findall(rb'<tr><th scope="row">(.*?)</th><td class="num">(.*?)</td></tr>',
+                      table.group(1))
+    assert len(rows) == 30
+    chart = page.context["chart"]
+    assert [(r[0].decode(), r[1].decode()) for r in rows] == [
+        (bar.label, bar.text) for bar in chart.bars]
+    assert any(text != "0" for _, text in rows)  # the world's request is in it
+
+
+def test_quotas_show_what_the_admission_buckets_hold_now(world):
+    import asyncio
+
+    import redis.asyncio as aioredis
+    from django.conf import settings
+
+    from atrium.inference import admission
+    from tenants.access import SYSTEM
+    from tenants.principals import Limits, Principal
+    from tenants.services import tenant_quota_update
+
+    tenant_quota_update(tenant=world.acme, actor=SYSTEM, changes={
+        "requests_per_minute": 60, "tokens_per_minute": 600, "max_concurrent_requests": 10})
+    principal = Principal(tenant_id=world.acme.pk, tenant_slug="acme", api_key_id=1,
+                          api_key_prefix="atr_test", tenant_limits=Limits(
+                              requests_per_minute=60, tokens_per_minute=600,
+                              max_concurrent_requests=10))
+
+    async def admit_three():
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        try:
+            for i in range(3):
+                await admission.admit(client, principal=principal, request_id=f"q{i}",
+                                      prompt_tokens=100, max_tokens=50, lease_s=60)
+        finally:
+            await client.aclose()
+
+    asyncio.run(admit_three())
+    page = _client(world.people["viewer"]).get(reverse("webui:quotas", kwargs={"slug": "acme"}))
+    used = {row.name: row.used for row in page.context["q"].rows}
+    assert used["requests_per_minute"] == 3  # one a second drains; well under a second passed
+    assert 440 <= used["tokens_per_minute"] <= 450  # 3 × (100 + 50), draining 10 a second
+    assert used["max_concurrent_requests"] == 3
+    assert used["max_prompt_tokens"] is None  # a per-request limit holds nothing

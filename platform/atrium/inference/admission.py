@@ -48,6 +48,15 @@ def quota_key(level: str, ident: int | str, name: str) -> str:
     return f"atrium:quota:{level}:{ident}:{name}"
 
 
+def bucket_in_use(tat: str | bytes | None, now_ms: int, per_minute: int | None) -> int | None:
+    """How much of a per-minute limit a GCRA bucket (admit.lua) has in use now: the units it
+    would take to drain its theoretical arrival time back to `now`. None when unlimited."""
+    if not per_minute:
+        return None
+    ahead_ms = max(float(tat) - now_ms, 0.0) if tat is not None else 0.0
+    return min(math.ceil(ahead_ms * per_minute / 60_000 - 1e-9), per_minute)
+
+
 def month_window(now: float | None = None) -> tuple[str, int]:
     """The UTC month's label (YYYY-MM) and when it ends, in unix ms."""
     moment = datetime.fromtimestamp(now if now is not None else time.time(), UTC)
