@@ -288,3 +288,23 @@ def test_quotas_show_what_the_admission_buckets_hold_now(world):
     assert 440 <= used["tokens_per_minute"] <= 450  # 3 × (100 + 50), draining 10 a second
     assert used["max_concurrent_requests"] == 3
     assert used["max_prompt_tokens"] is None  # a per-request limit holds nothing
+
+
+def test_pages_with_live_counters_say_so_when_redis_is_unreachable(world, monkeypatch):
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from tests.platform.conftest import _free_port
+    from webui import selectors
+
+    dead = redis.Redis(port=_free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    monkeypatch.setattr(selectors, "sync_client", lambda: dead)
+    quotas = _client(world.people["viewer"]).get(reverse("webui:quotas", kwargs={"slug": "acme"}))
+    fleet = _client(world.staff).get(reverse("webui:op-fleet"))
+    for reply in (quotas, fleet):
+        assert reply.status_code == 503 and reply["Retry-After"] == "5"
+        assert b"Redis" in reply.content
+    # Pages that need only the database still work.
+    assert _client(world.people["viewer"]).get(
+        reverse("webui:keys", kwargs={"slug": "acme"})).status_code == 200

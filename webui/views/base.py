@@ -5,6 +5,7 @@ tenants/access.py (403), and turning the platform's errors into messages on the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -15,6 +16,7 @@ from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
+from redis.exceptions import RedisError
 
 from atrium import errors
 from tenants import access as rules
@@ -22,6 +24,7 @@ from tenants import selectors as tenant_selectors
 from tenants.access import Actor, TenantAccess
 
 TenantView = Callable[..., HttpResponse]
+log = logging.getLogger(__name__)
 
 
 def actor_of(request: HttpRequest) -> Actor:
@@ -42,7 +45,8 @@ def authorize(tenant_access: TenantAccess, action: str, *, owner_id: int | None 
 
 
 def _translated(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """The platform's NotFound is a 404 page, its PermissionDenied a 403 page."""
+    """The platform's NotFound is a 404 page, its PermissionDenied a 403 page, and Redis
+    out of reach (the pages with live counters) a 503 page saying so, not a 500."""
     @wraps(view)
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         try:
@@ -51,6 +55,11 @@ def _translated(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
             raise Http404(exc.message) from None
         except errors.PermissionDenied as exc:
             raise DjangoPermissionDenied(exc.message) from None
+        except RedisError:
+            log.warning("console page %s: Redis unreachable", request.path, exc_info=True)
+            response = render(request, "503.html", status=503)
+            response["Retry-After"] = "5"
+            return response
     return wrapper
 
 
