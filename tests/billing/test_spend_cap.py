@@ -143,3 +143,18 @@ def test_spend_counts_the_open_period_only(tenant, priced, redis_client):
     services.spend_reconcile(now=NOW)
     assert spend.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 250_000
     assert selectors.spend_summary(tenant=tenant, now=NOW).spent == Decimal("0.25")
+
+
+def test_many_tenants_spend_is_read_in_a_fixed_number_of_queries(tenant, priced,
+                                                                 django_assert_max_num_queries):
+    others = [tenant_factory() for _ in range(5)]
+    _spend_now(tenant, 250_000, "a")
+    _spend_now(others[0], 500_000, "b")
+    services.tenant_spend_cap_update(tenant=others[1], actor=SYSTEM, monthly_limit=Decimal("3"))
+    ids = [tenant.pk, *(t.pk for t in others)]
+    with django_assert_max_num_queries(4):
+        many = selectors.spend_summaries(tenant_ids=ids, now=NOW)
+    assert many == {i: selectors.spend_summary(tenant=t, now=NOW)
+                    for i, t in zip(ids, [tenant, *others], strict=True)}
+    assert many[tenant.pk].spent == Decimal("0.25") and many[others[0].pk].spent == Decimal("0.5")
+    assert many[others[1].pk].cap == Decimal("3.00") and many[others[2].pk].spent == 0

@@ -59,7 +59,7 @@ def tenants(request: HttpRequest) -> HttpResponse:
         return done(request, "webui:op-tenant", ok=f"Tenant {tenant.slug} is created.",
                     slug=tenant.slug)
     rows = list(tenant_selectors.tenant_list_for_actor(actor=actor))
-    spends = {t.pk: billing_selectors.spend_summary(tenant=t) for t in rows}
+    spends = billing_selectors.spend_summaries(tenant_ids=[t.pk for t in rows])
     return page(request, "webui/operator/tenants.html", {
         "rows": [{"tenant": t, "spend": spends[t.pk]} for t in rows], "form": form,
     }, section="op-tenants")
