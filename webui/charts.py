@@ -43,15 +43,26 @@ class BarChart:
     empty: bool
 
 
-def _nice_max(value: float) -> float:
-    """The smallest of 1, 2, 2.5, 5 × 10^n at or above `value` (1 when there is nothing)."""
-    if value <= 0:
+def _nice_step(raw: float, *, whole: bool) -> float:
+    """The smallest of 1, 2, 2.5, 5 × 10^n at or above `raw`; with `whole` (counts of
+    requests or tokens) never a fraction, so no axis reads "2.5 requests"."""
+    if raw <= 0:
         return 1.0
-    magnitude = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 2.5, 5, 10):
-        if value <= step * magnitude:
-            return step * magnitude
+    magnitude = 10 ** math.floor(math.log10(raw))
+    for multiple in (1, 2, 2.5, 5, 10):
+        step = multiple * magnitude
+        if whole and (step < 1 or step % 1):
+            continue
+        if raw <= step:
+            return step
     return 10 * magnitude
+
+
+def _axis(top_value: float, *, whole: bool, intervals: int = 4) -> tuple[float, float]:
+    """A round step and the axis maximum (a multiple of it at or above `top_value`), with
+    at most `intervals` steps."""
+    step = _nice_step(top_value / intervals, whole=whole)
+    return step, max(step, math.ceil(top_value / step - 1e-9) * step)
 
 
 def compact(value: float) -> str:
@@ -64,10 +75,12 @@ def compact(value: float) -> str:
 
 def bar_chart(points: list[tuple[str, float]], *, title: str, width: int = 720,
               height: int = 200, label_every: int = 5, fmt=compact) -> BarChart:
-    """Vertical bars for `points` (label, value) in order, with four y-axis ticks."""
+    """Vertical bars for `points` (label, value) in order, with at most five y-axis ticks
+    at round values."""
     left, top, bottom = 48, 8, 24
     plot_w, plot_h = width - left - 24, height - top - bottom  # room for the last label
-    top_value = _nice_max(max((v for _, v in points), default=0))
+    step, top_value = _axis(max((v for _, v in points), default=0),
+                            whole=all(float(v).is_integer() for _, v in points))
     slot = plot_w / max(len(points), 1)
     bars = []
     labels = []
@@ -79,8 +92,8 @@ def bar_chart(points: list[tuple[str, float]], *, title: str, width: int = 720,
                         value=value, text=fmt(value)))
         if i % label_every == 0 or i == len(points) - 1:
             labels.append(XLabel(x=round(x + slot * 0.35, 2), text=label))
-    ticks = [Tick(y=round(top + plot_h - plot_h * f, 2), text=compact(top_value * f))
-             for f in (0, 0.25, 0.5, 0.75, 1)]
+    ticks = [Tick(y=round(top + plot_h - plot_h * (i * step / top_value), 2),
+                  text=compact(i * step)) for i in range(round(top_value / step) + 1)]
     return BarChart(title=title, width=width, height=height, plot_left=left,
                     plot_bottom=top + plot_h, bars=bars, ticks=ticks, x_labels=labels,
                     empty=not any(v > 0 for _, v in points))

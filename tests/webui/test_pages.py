@@ -140,11 +140,27 @@ def test_request_logs_filter_by_status_and_show_only_this_tenant(world):
 
 
 def test_a_bar_chart_scales_to_a_round_maximum_and_marks_emptiness():
-    chart = bar_chart([("a", 0), ("b", 30), ("c", 60)], title="t", height=200)
+    chart = bar_chart([("a", 0), ("b", 30), ("c", 70)], title="t", height=200)
     heights = [b.height for b in chart.bars]
-    assert heights[0] == 0 and heights[2] == pytest.approx(2 * heights[1])
-    assert chart.ticks[-1].text == "100" and not chart.empty
+    assert heights[0] == 0 and heights[2] == pytest.approx(70 / 30 * heights[1])
+    assert [t.text for t in chart.ticks] == ["0", "20", "40", "60", "80"]
+    assert not chart.empty
     assert bar_chart([("a", 0)], title="t").empty
+
+
+@pytest.mark.parametrize(("values", "ticks"), [
+    ([3, 5], ["0", "2", "4", "6"]),
+    ([1, 3], ["0", "1", "2", "3"]),  # counts: never a 0.75-request tick
+    ([0, 0], ["0", "1"]),
+    ([1_500_050, 3_001_000], ["0", "1M", "2M", "3M", "4M"]),
+    ([0.25, 0.5], ["0", "0.2", "0.4", "0.6"]),  # money may be fractional
+])
+def test_axis_ticks_are_round_and_whole_for_counts(values, ticks):
+    chart = bar_chart([(str(i), v) for i, v in enumerate(values)], title="t")
+    assert [t.text for t in chart.ticks] == ticks
+    top = chart.ticks[-1]
+    assert top.y == 8  # the last tick is the top of the plot
+    assert max(b.height for b in chart.bars) <= chart.plot_bottom - top.y + 1e-6
 
 
 def test_an_operator_adds_a_new_person_who_can_then_sign_in(world):
