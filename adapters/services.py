@@ -262,14 +262,17 @@ def adapter_validate(*, adapter_id: int) -> Adapter:
         _check_config_json(folder / CONFIG_FILE)
         facts = adapter_check(source_dir=folder, base_model_dir=base.path)
         content_hash = files.put(folder)
-        adapter = _set_status(adapter, AdapterStatus.READY, content_hash=content_hash,
-                              failure_reason="", upload=None, **facts)
+        outcome = {"status": AdapterStatus.READY, "content_hash": content_hash,
+                   "failure_reason": "", **facts}
     except (AdapterRejected, archive.ArchiveRejected) as exc:
-        adapter = _set_status(adapter, AdapterStatus.FAILED, failure_reason=str(exc)[:2000],
-                              upload=None)
+        outcome = {"status": AdapterStatus.FAILED, "failure_reason": str(exc)[:2000]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    upload_drop(upload=upload)
+    # The upload's bytes go before the outcome is told: whoever sees "ready" or "failed"
+    # finds nothing of the upload left. (Any other error leaves them for a retry.)
+    files.delete_upload(str(upload.pk))
+    adapter = _set_status(adapter, outcome.pop("status"), upload=None, **outcome)
+    upload.delete()
     return adapter
 
 

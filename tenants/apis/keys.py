@@ -118,6 +118,9 @@ class ApiKeyRotateApi(TenantApi):
                    "grace period", request=InputSerializer, responses={201: OutputSerializer})
     def post(self, request, slug: str, key_id: int) -> Response:
         tenant_access, key = _managed_key(self, slug, key_id)
+        # A rotation mints a working secret with the key's scopes: only for callers who
+        # could create such a key themselves.
+        access.authorize_scopes(tenant_access, list(key.scopes))
         data = validated(ApiKeyRotateApi.InputSerializer, request.data or {})
         new, plaintext = services.api_key_rotate(
             tenant=tenant_access.tenant, key_id=key.pk, actor=tenant_access.actor,

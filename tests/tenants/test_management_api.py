@@ -268,6 +268,22 @@ def test_a_key_cannot_grant_scopes_it_does_not_have(world, scopes, wanted):
     assert ApiKey.objects.count() == count
 
 
+def test_rotating_a_key_with_scopes_one_lacks_is_refused_and_changes_nothing(world):
+    wide = key_factory(world.a, scopes=("inference", "billing", "usage"))
+    client = _keyed(key_factory(world.a, scopes=("admin",)).plaintext)
+    count = ApiKey.objects.count()
+    r = client.post(f"/api/v1/tenants/alpha/keys/{wide.id}/rotate", {}, format="json")
+    _assert_error(r, 403, "scope_escalation")
+    assert ApiKey.objects.count() == count
+    assert ApiKey.objects.get(pk=wide.id).replaced_by_id is None
+    # Holding the scopes, the same rotation goes through.
+    admin_and_more = _keyed(key_factory(world.a, scopes=(
+        "admin", "inference", "billing", "usage")).plaintext)
+    r = admin_and_more.post(f"/api/v1/tenants/alpha/keys/{wide.id}/rotate", {}, format="json")
+    assert r.status_code == 201 and sorted(r.json()["new"]["scopes"]) == [
+        "billing", "inference", "usage"]
+
+
 def test_developers_cannot_create_admin_or_billing_keys(world):
     client = _session(member_factory(world.a, Role.DEVELOPER))
     for scopes in (["admin"], ["inference", "billing"]):

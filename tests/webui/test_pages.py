@@ -324,3 +324,17 @@ def test_pages_with_live_counters_say_so_when_redis_is_unreachable(world, monkey
     # Pages that need only the database still work.
     assert _client(world.people["viewer"]).get(
         reverse("webui:keys", kwargs={"slug": "acme"})).status_code == 200
+
+
+def test_a_developer_cannot_rotate_their_key_into_scopes_their_role_lacks(world):
+    from tenants.services import api_key_create
+
+    developer = world.people["developer"]
+    widened, _ = api_key_create(tenant=world.acme, name="widened", scopes=["inference", "billing"],
+                                created_by=developer)  # an admin gave it billing
+    reply = _client(developer).post(
+        reverse("webui:key-rotate", kwargs={"slug": "acme", "key_id": widened.pk}),
+        {"grace_hours": "1"})
+    assert reply.status_code == 403
+    assert world.acme.api_keys.get(pk=widened.pk).replaced_by_id is None
+    assert not world.acme.api_keys.filter(name="widened").exclude(pk=widened.pk).exists()

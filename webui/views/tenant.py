@@ -161,6 +161,7 @@ def key_revoke(request: HttpRequest, tenant_access: TenantAccess, key_id: int) -
 @tenant_view(None, methods=("POST",))
 def key_rotate(request: HttpRequest, tenant_access: TenantAccess, key_id: int) -> HttpResponse:
     key = _managed_key(tenant_access, key_id)
+    authorize_scopes(tenant_access, list(key.scopes))  # it mints a secret with these scopes
     slug = tenant_access.tenant.slug
     form = forms.RotateForm(request.POST)
     if not form.is_valid():
