@@ -1,7 +1,8 @@
-"""The one plain dataclass that crosses from the scheduler to the model runner each step.
+"""The plain dataclasses that cross between the scheduler and the model runner each step.
 
 The scheduler decides who runs and how many tokens; the runner owns every tensor
-and turns a ``SchedulerOutput`` into one sampled token per request that asked.
+and turns a ``SchedulerOutput`` into one sampled token per request that asked (or a
+``SampleFailure`` for a row that could not be sampled).
 """
 
 from __future__ import annotations
@@ -48,3 +49,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass(slots=True, frozen=True)
+class SampleFailure:
+    """A row the runner could not sample (its logits were not finite): only its request fails."""
+
+    reason: str

@@ -162,7 +162,7 @@ class LLMEngine:
                                             for r in batch.requests])
         self.metrics.record_step(
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests if not r.is_decode),
-            generation_tokens=sum(t is not None for t in sampled))
+            generation_tokens=sum(isinstance(t, int) for t in sampled))
         return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
 
     # -- adapters -------------------------------------------------------------------------

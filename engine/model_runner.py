@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.batch import SchedulerOutput
+from engine.batch import SampleFailure, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
@@ -81,8 +81,11 @@ class ModelRunner:
         return int(blocks)
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput) -> list[int | None]:
-        """One forward pass; the sampled token of each request that samples, else None."""
+    def run(self, batch: SchedulerOutput) -> list[int | SampleFailure | None]:
+        """One forward pass; the sampled token of each request that samples, else None.
+
+        A request whose row could not be sampled gets a ``SampleFailure``.
+        """
         for slot, adapter_hash in batch.adapter_loads:
             self.lora.load_slot(slot, self.adapters(adapter_hash))
         reqs = batch.requests
@@ -141,7 +144,7 @@ class ModelRunner:
         tokens = sample_batch(logits, [reqs[i].sampling for i in sampling],
                               [reqs[i].seed for i in sampling],
                               [reqs[i].num_output_tokens for i in sampling])
-        out: list[int | None] = [None] * len(reqs)
+        out: list[int | SampleFailure | None] = [None] * len(reqs)
         for i, token in zip(sampling, tokens, strict=True):
             out[i] = token
         return out

@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 from engine import protocol
 
+# Temperatures below this sample greedily: dividing logits by a tinier one overflows.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
     seed: int | None = None
@@ -41,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_spec(cls, spec: protocol.SamplingSpec) -> SamplingParams:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from engine import protocol
-from engine.batch import ScheduledRequest, SchedulerOutput
+from engine.batch import SampleFailure, ScheduledRequest, SchedulerOutput
 from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.slots import AdapterSlots
@@ -139,7 +139,7 @@ class Scheduler:
                                finished, loads)
 
     def postprocess(self, batch: SchedulerOutput,
-                    sampled: list[int | None]) -> list[RequestOutput]:
+                    sampled: list[int | SampleFailure | None]) -> list[RequestOutput]:
         """Advances every scheduled sequence and returns what each produced."""
         now = time.monotonic()
         outputs = []
@@ -150,6 +150,10 @@ class Scheduler:
             seq.num_computed_tokens += len(req.token_ids)
             seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
                                              min(seq.num_computed_tokens, seq.num_prompt_tokens))
+            if isinstance(token, SampleFailure):
+                text = seq.detokenizer.flush() if seq.detokenizer else ""
+                outputs.append(self._finish(seq, None, text=text, error=token.reason))
+                continue
             if not req.sample or token is None:
                 continue
             seq.token_ids.append(token)

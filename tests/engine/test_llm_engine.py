@@ -165,6 +165,39 @@ def test_same_seed_same_output_whatever_shares_the_batch(tiny_model_dir, prompts
     assert tokens(drain(other)["y"]) != expected
 
 
+def test_a_tiny_temperature_samples_greedily_and_fails_no_other_request(tiny_model_dir,
+                                                                         prompts, hf_outputs):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir))
+    engine.add_request(request("greedy", prompts[2], tenant="t1"))
+    engine.add_request(request("tiny", prompts[3], tenant="t2", temperature=1e-40))
+    outputs = drain(engine)
+    assert [outputs[r][-1].error for r in ("greedy", "tiny")] == [None, None]
+    assert tokens(outputs["greedy"]) == hf_outputs[2]
+    assert tokens(outputs["tiny"]) == hf_outputs[3]
+
+
+def test_a_row_with_non_finite_logits_fails_only_its_request(tiny_model_dir, prompts,
+                                                             hf_outputs):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir))
+    engine.add_request(request("poisoned", prompts[2], tenant="t1", temperature=0.8, seed=1))
+    engine.add_request(request("bystander", prompts[3], tenant="t2"))
+    model = engine.runner.model
+    real = model.compute_logits
+
+    def poison_first_row(hidden):
+        model.compute_logits = real
+        logits = real(hidden)  # [rows, vocab]: the first scheduled request is row 0
+        logits[0, 7] = float("nan")
+        return logits
+
+    model.compute_logits = poison_first_row
+    outputs = drain(engine)
+    assert "not finite" in outputs["poisoned"][-1].error
+    assert outputs["bystander"][-1].error is None
+    assert tokens(outputs["bystander"]) == hf_outputs[3]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_a_stop_string_ends_the_text_before_it(tiny_model_dir, tokenizer, prompts):
     engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir))
     engine.add_request(request("free", prompts[3], max_tokens=40, ignore_eos=True))

@@ -19,6 +19,11 @@ def test_zero_temperature_means_greedy():
     assert not SamplingParams(max_tokens=1, temperature=0.7).greedy
 
 
+def test_a_temperature_too_small_to_divide_by_means_greedy():
+    assert SamplingParams(max_tokens=1, temperature=1e-40).greedy
+    assert not SamplingParams(max_tokens=1, temperature=1e-4).greedy
+
+
 @pytest.mark.parametrize("bad", [
     dict(max_tokens=0), dict(max_tokens=True), dict(max_tokens=1.5),
     dict(temperature=float("nan")), dict(temperature=-0.1), dict(top_p=1.5), dict(top_p=0),
