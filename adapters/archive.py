@@ -14,6 +14,7 @@ from __future__ import annotations
 import stat
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -97,8 +98,14 @@ def extract(archive: Path, out_dir: Path, limits: Limits = Limits()) -> Path:
             _extract_tar(archive, out_dir, limits, budget, note)
         else:
             raise ArchiveRejected("the upload is neither a .zip nor a .tar.gz archive")
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
+    except ArchiveRejected:
+        raise
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise ArchiveRejected(f"the archive is corrupt: {exc}") from None
+    except (NotImplementedError, RuntimeError, ValueError) as exc:
+        # zipfile's answers to a compression method it lacks, an encryption it cannot
+        # read, or a header that makes no sense: all the archive's fault, none a crash.
+        raise ArchiveRejected(f"the archive cannot be read: {exc}") from None
     if (out_dir / CONFIG).stat().st_size > limits.max_config_bytes:
         raise ArchiveRejected(f"{CONFIG} is larger than {limits.max_config_bytes:,} bytes")
     return out_dir
@@ -134,10 +141,16 @@ def _extract_tar(archive: Path, out_dir: Path, limits: Limits, budget: list[int]
                  note: str) -> None:
     with tarfile.open(archive, mode="r:gz") as tf:
         members: dict[str, object] = {}
+        declared = 0
         for count, info in enumerate(_iter_tar(tf), start=1):
             if count > limits.max_members:
                 raise ArchiveRejected(f"the archive has more than {limits.max_members} "
                                       f"members")
+            # NOTE: stepping over a member decompresses it, so every member's size counts,
+            # not just the two files kept: a tar.gz of one huge README is a bomb too.
+            declared += max(info.size, 0)
+            if declared > budget[0]:
+                raise ArchiveRejected(f"the archive expands to more than {note}")
             _check_name(info.name)
             if info.issym() or info.islnk():
                 raise ArchiveRejected(f"member {info.name!r} is a link")

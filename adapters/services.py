@@ -52,11 +52,17 @@ def adapter_check(*, source_dir: Path, base_model_dir: Path) -> dict:
     from engine.lora.adapter import AdapterError, load_adapter
     from engine.models.llama import ModelConfig
 
+    base = ModelConfig.from_dir(base_model_dir)
     try:
-        loaded = load_adapter(source_dir, ModelConfig.from_dir(base_model_dir),
-                              max_rank=settings.ATRIUM_MAX_LORA_RANK)
+        loaded = load_adapter(source_dir, base, max_rank=settings.ATRIUM_MAX_LORA_RANK)
     except AdapterError as exc:
         raise AdapterRejected(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - the upload's bytes, not the platform, broke it
+        # A malformed safetensors header or a config value of a type nobody expected:
+        # the adapter is refused with what the reader said, and the worker lives on.
+        log.info("adapter check failed on unexpected input", exc_info=True)
+        raise AdapterRejected(f"the adapter's files cannot be read as a PEFT LoRA adapter "
+                              f"({type(exc).__name__}: {str(exc)[:300]})") from None
     return {"rank": loaded.rank,
             "target_modules": sorted({module for _, module in loaded.modules}),
             "size_bytes": sum((source_dir / f).stat().st_size for f in (CONFIG_FILE,
@@ -276,6 +282,23 @@ def adapter_validate(*, adapter_id: int) -> Adapter:
     return adapter
 
 
+def adapter_validate_gave_up(*, adapter_id: int, error: BaseException) -> Adapter:
+    """After the validation task failed on the platform's side time and again: the
+    version fails with a reason, and its upload's bytes go, so nothing is held forever."""
+    adapter = Adapter.objects.select_related("upload").get(pk=adapter_id)
+    if adapter.status in (AdapterStatus.READY, AdapterStatus.FAILED):
+        return adapter
+    upload = adapter.upload
+    if upload is not None:
+        AdapterFiles().delete_upload(str(upload.pk))
+    adapter = _set_status(adapter, AdapterStatus.FAILED, upload=None, failure_reason=(
+        f"the platform could not validate it ({type(error).__name__}); upload it again, "
+        "and tell the operator if this repeats"))
+    if upload is not None:
+        upload.delete()
+    return adapter
+
+
 def _unpack(files: AdapterFiles, upload: AdapterUpload, work: Path) -> Path:
     folder = work / "adapter"
     limits = archive.Limits(max_bytes=settings.ATRIUM_ADAPTER_MAX_UPLOAD_BYTES)
@@ -296,6 +319,9 @@ def _check_config_json(path: Path) -> None:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise AdapterRejected(f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise AdapterRejected(f"{CONFIG_FILE} is nested too deeply to be a PEFT "
+                              "config") from None
     if not isinstance(config, dict):
         raise AdapterRejected(f"{CONFIG_FILE} must hold a JSON object")
 

@@ -4,11 +4,21 @@ from celery import shared_task
 
 from adapters import services
 
+# Tries of a validation that fails on the platform's side (storage or database away),
+# seconds apart: 10, 20, 40. A bad upload is not such a failure: it fails at once.
+VALIDATE_RETRIES = 3
 
-@shared_task(name="adapters.tasks.adapter_validate", acks_late=True)
-def adapter_validate(adapter_id: int) -> str:
+
+@shared_task(bind=True, name="adapters.tasks.adapter_validate", acks_late=True,
+             max_retries=VALIDATE_RETRIES)
+def adapter_validate(self, adapter_id: int) -> str:
     """Validates one uploaded adapter version; a re-delivered task finds it done."""
-    return services.adapter_validate(adapter_id=adapter_id).status
+    try:
+        return services.adapter_validate(adapter_id=adapter_id).status
+    except Exception as exc:
+        if self.request.retries < VALIDATE_RETRIES:
+            raise self.retry(exc=exc, countdown=10 * 2 ** self.request.retries) from exc
+        return services.adapter_validate_gave_up(adapter_id=adapter_id, error=exc).status
 
 
 @shared_task(name="adapters.tasks.adapter_uploads_expire")

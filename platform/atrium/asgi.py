@@ -8,6 +8,7 @@ import re
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
 
+from asgiref.sync import sync_to_async  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
@@ -27,31 +28,42 @@ class BodyLimit:
     """Refuses request bodies over ATRIUM_MAX_BODY_BYTES before Django buffers them.
 
     Django spools whole bodies to disk before a view runs; without this, a hostile
-    client could fill the disk with one request.
+    client could fill the disk with one request. Adapter uploads may be larger, but only
+    for a caller already known here: an API key of that tenant with the adapters scope,
+    or a signed-in console session (whose rights the view then checks). A stranger's
+    upload gets the ordinary limit.
     """
 
-    # Adapter uploads may be larger: a whole archive in one request, or a chunk.
-    UPLOAD = re.compile(r"^/api/v1/tenants/[^/]+/adapters$")
-    CHUNK = re.compile(r"^/api/v1/tenants/[^/]+/adapter-uploads/[^/]+$")
+    # A whole archive in one request, or a chunk of a resumable upload.
+    UPLOAD = re.compile(r"^/api/v1/tenants/(?P<slug>[^/]+)/adapters$")
+    CHUNK = re.compile(r"^/api/v1/tenants/(?P<slug>[^/]+)/adapter-uploads/[^/]+$")
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
         self.default_limit = limit
 
-    def limit_for(self, path: str) -> int:
-        if self.UPLOAD.match(path):
-            return settings.ATRIUM_ADAPTER_MAX_UPLOAD_BYTES + (1 << 20)  # + multipart framing
-        if self.CHUNK.match(path):
-            return settings.ATRIUM_ADAPTER_CHUNK_BYTES
-        return self.default_limit
+    async def limit_for(self, scope) -> tuple[int, str]:
+        """The byte limit of this request, and what to say when it is exceeded."""
+        path = scope.get("path", "")
+        for pattern, limit in ((self.UPLOAD, settings.ATRIUM_ADAPTER_MAX_UPLOAD_BYTES
+                                + (1 << 20)),  # + multipart framing
+                               (self.CHUNK, settings.ATRIUM_ADAPTER_CHUNK_BYTES)):
+            match = pattern.match(path)
+            if match is None:
+                continue
+            if await _known_uploader(scope, match["slug"]):
+                return limit, ""
+            return self.default_limit, (" (larger adapter uploads need an API key of the "
+                                        "tenant with the adapters scope, or a console session)")
+        return self.default_limit, ""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.limit_for(scope.get("path", ""))
+        limit, hint = await self.limit_for(scope)
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await self._refuse(send, limit)
+                return await self._refuse(send, limit, hint)
         seen = 0
 
         async def limited_receive():
@@ -66,15 +78,42 @@ class BodyLimit:
         try:
             return await self.app(scope, limited_receive, send)
         except _TooLarge:
-            return await self._refuse(send, limit)
+            return await self._refuse(send, limit, hint)
 
-    async def _refuse(self, send, limit: int) -> None:
+    async def _refuse(self, send, limit: int, hint: str = "") -> None:
         body = json.dumps({"error": {
-            "message": f"the request body is larger than {limit} bytes",
+            "message": f"the request body is larger than {limit} bytes{hint}",
             "type": "invalid_request_error", "param": None, "code": "request_too_large"}})
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body.encode()})
+
+
+async def _known_uploader(scope, slug: str) -> bool:
+    """An API key of tenant `slug` with the adapters scope, or a live console session."""
+    from django.http import parse_cookie
+
+    from atrium.errors import ApiError
+    from atrium.inference.auth import authenticate
+
+    headers = {name: value for name, value in scope.get("headers", [])}
+    if b"authorization" in headers:
+        try:
+            principal = await authenticate(headers[b"authorization"].decode("latin-1"),
+                                           scope="adapters")
+        except ApiError:
+            return False
+        return principal.tenant_slug == slug
+    session_key = parse_cookie(headers.get(b"cookie", b"").decode("latin-1")).get(
+        settings.SESSION_COOKIE_NAME)
+    return bool(session_key) and await sync_to_async(_signed_in)(session_key)
+
+
+def _signed_in(session_key: str) -> bool:
+    from importlib import import_module
+
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    return store.get("_auth_user_id") is not None
 
 
 class _TooLarge(Exception):

@@ -111,3 +111,48 @@ def test_too_many_members_and_garbage_are_refused(tmp_path):
     truncated.write_bytes(truncated.read_bytes()[:60])
     with pytest.raises(ArchiveRejected, match="corrupt"):
         extract(truncated, tmp_path / "out3")
+
+
+def test_a_zip_with_a_compression_method_python_lacks_is_refused(tmp_path):
+    path = make_zip(tmp_path / "a.zip", GOOD, compression=zipfile.ZIP_STORED)
+    data = bytearray(path.read_bytes())
+    # Rewrite every header's method field (local headers at +8, central ones at +10) to 99
+    # (AES), which zipfile cannot decompress.
+    for signature, offset in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        start = 0
+        while (at := data.find(signature, start)) >= 0:
+            data[at + offset:at + offset + 2] = (99).to_bytes(2, "little")
+            start = at + 4
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArchiveRejected, match="cannot be read"):
+        extract(path, tmp_path / "out")
+
+
+def test_a_zip_with_a_corrupt_deflate_stream_is_refused(tmp_path):
+    weights = bytes(range(256)) * 64
+    path = make_zip(tmp_path / "a.zip", {**GOOD, "my-adapter/adapter_model.safetensors": weights})
+    data = bytearray(path.read_bytes())
+    local = data.find(b"PK\x03\x04", data.find(b"adapter_model.safetensors") - 64)
+    name_len = int.from_bytes(data[local + 26:local + 28], "little")
+    extra_len = int.from_bytes(data[local + 28:local + 30], "little")
+    body = local + 30 + name_len + extra_len
+    data[body:body + 8] = b"\xff" * 8  # an invalid deflate block type
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArchiveRejected):
+        extract(path, tmp_path / "out")
+
+
+def test_a_tar_bomb_in_a_member_never_kept_is_refused_before_it_is_inflated(tmp_path):
+    # 64 MiB of zeros in a README compresses to ~64 KiB; skipping it would inflate it all.
+    path = tmp_path / "bomb.tar.gz"
+    with tarfile.open(path, "w:gz") as tf:
+        for name, data in GOOD.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("my-adapter/zeros.bin")
+        info.size = 64 << 20
+        tf.addfile(info, io.BytesIO(bytes(info.size)))
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(ArchiveRejected, match="expands to more than"):
+        extract(path, tmp_path / "out", Limits(max_bytes=16 << 20))

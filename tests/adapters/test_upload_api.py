@@ -196,6 +196,9 @@ def _variant_zip(folder: Path, tmp: Path, name: str, change=None, extra=None,
     ("symlink", "symbolic link"),
     ("bomb", "expands to more than"),
     ("not-json", "not valid JSON"),
+    ("nested-json", "nested too deeply"),
+    ("bad-tensors", "cannot be read"),
+    ("odd-config", "must be a positive integer"),
 ])
 def test_bad_uploads_fail_with_a_reason_and_leave_nothing(api_server, celery_worker, key,
                                                          trained, store, tmp_path, settings,
@@ -221,6 +224,15 @@ def test_bad_uploads_fail_with_a_reason_and_leave_nothing(api_server, celery_wor
     elif case == "bomb":
         path = _variant_zip(sql, tmp_path, case, drop=("adapter_model.safetensors",),
                             extra={"x/adapter_model.safetensors": b"\0" * (40 << 20)})
+    elif case == "nested-json":
+        path = _variant_zip(sql, tmp_path, case, drop=("adapter_config.json",),
+                            extra={"x/adapter_config.json": b"[" * 100_000 + b"]" * 100_000})
+    elif case == "bad-tensors":  # a safetensors header that claims 2 GiB of JSON
+        path = _variant_zip(sql, tmp_path, case, drop=("adapter_model.safetensors",),
+                            extra={"x/adapter_model.safetensors": (2**31).to_bytes(8, "little")
+                                   + b"{}"})
+    elif case == "odd-config":
+        path = _variant_zip(sql, tmp_path, case, change={"r": {"eight": 8}, "lora_alpha": [16]})
     else:
         path = _variant_zip(sql, tmp_path, case, drop=("adapter_config.json",),
                             extra={"x/adapter_config.json": b"{not json"})
@@ -247,6 +259,37 @@ def test_an_upload_over_the_size_limit_is_refused_up_front(api_server, key, stor
 
     assert not Adapter.objects.exists() and not AdapterUpload.objects.exists()
     assert store_contents(store) == []
+
+
+def test_only_a_known_uploader_may_send_more_than_the_ordinary_body_limit(api_server, key, tenant,
+                                                                         store):
+    from django.conf import settings as live
+
+    body = b"\0" * (live.ATRIUM_MAX_BODY_BYTES + 1)
+    url = f"{api_server}/api/v1/tenants/acme/adapters"
+    other_key = key_factory(tenant_factory("globex"), scopes=("inference", "adapters"))
+    inference_only = key_factory(tenant, scopes=("inference",))
+    strangers = {"nobody": {}, "a bad key": {"Authorization": "Bearer atr_nonsense"},
+                 "another tenant's key": {"Authorization": f"Bearer {other_key.plaintext}"},
+                 "a key without the adapters scope": {
+                     "Authorization": f"Bearer {inference_only.plaintext}"},
+                 "a forged session": {"Cookie": "sessionid=forged"}}
+    for who, headers in strangers.items():
+        res = httpx.post(url, content=body, timeout=60,
+                         headers={**headers, "Content-Type": "application/octet-stream"})
+        assert res.status_code == 413, who
+        assert "adapters scope" in res.json()["error"]["message"], who
+    # The tenant's own key gets past the gate (and the view then judges the body).
+    res = httpx.post(url, content=body, timeout=60, headers={
+        "Authorization": f"Bearer {key.plaintext}", "Content-Type": "application/octet-stream"})
+    assert res.status_code == 415  # not a form: the view's answer, past the gate
+    session = signed_in(api_server, member_factory(tenant, "developer"))
+    res = session.post("/api/v1/tenants/acme/adapters", content=body,
+                       headers={"Content-Type": "application/octet-stream"})
+    assert res.status_code == 415
+    from adapters.models import AdapterUpload
+
+    assert not AdapterUpload.objects.exists() and store_contents(store) == []
 
 
 def test_tenants_never_see_or_touch_each_others_adapters(api_server, celery_worker, key,
@@ -392,3 +435,21 @@ def test_an_engine_without_the_store_fetches_adapters_from_the_platform(
         wrong.fetch(digest)
     assert not (tmp_path / "x" / digest).exists()
     shutil.rmtree(tmp_path / "engine-cache")
+
+
+def test_a_validation_that_keeps_failing_on_our_side_ends_failed_and_frees_its_upload(
+        tenant, store):
+    from adapters import services
+    from adapters.models import Adapter, AdapterUpload
+
+    upload = services.upload_create(tenant=tenant, name="stuck", base_model="m", size=4)
+    services.upload_append(upload=upload, offset=0, data=io.BytesIO(b"PK\x03\x04"), length=4)
+    adapter = services.upload_complete(upload=upload)
+    assert store_contents(store) != []
+    given_up = services.adapter_validate_gave_up(adapter_id=adapter.pk,
+                                                 error=ConnectionError("storage away"))
+    assert given_up.status == "failed" and "ConnectionError" in given_up.failure_reason
+    assert store_contents(store) == [] and not AdapterUpload.objects.exists()
+    # Late retries find it decided.
+    assert services.adapter_validate(adapter_id=adapter.pk).status == "failed"
+    assert Adapter.objects.get(pk=adapter.pk).failure_reason == given_up.failure_reason
