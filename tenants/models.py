@@ -157,6 +157,8 @@ class QuotaOverride(models.Model):
 
 QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests",
                 "max_prompt_tokens", "max_output_tokens", "monthly_token_cap")
+# What the columns hold (PostgreSQL integer; bigint for the month's tokens).
+QUOTA_MAX = {**dict.fromkeys(QUOTA_FIELDS, 2**31 - 1), "monthly_token_cap": 2**63 - 1}
 
 
 class AuditEvent(models.Model):

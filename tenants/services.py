@@ -26,6 +26,7 @@ from tenants.access import SYSTEM, Actor
 from tenants.key_cache import key_cache_store
 from tenants.models import (
     QUOTA_FIELDS,
+    QUOTA_MAX,
     ApiKey,
     AuditEvent,
     Invitation,
@@ -132,6 +133,11 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
                 monthly_token_cap: int | None = None) -> Plan:
     if Plan.objects.filter(slug=slug).exists():
         raise Conflict(f"plan '{slug}' already exists", param="slug")
+    _validated_plan_limits({
+        "requests_per_minute": requests_per_minute, "tokens_per_minute": tokens_per_minute,
+        "max_concurrent_requests": max_concurrent_requests,
+        "max_prompt_tokens": max_prompt_tokens, "max_output_tokens": max_output_tokens,
+        "monthly_token_cap": monthly_token_cap})
     plan = Plan.objects.create(
         slug=slug, name=name, priority=priority, requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute, max_concurrent_requests=max_concurrent_requests,
@@ -149,10 +155,12 @@ _PLAN_FIELDS = ("name", "priority", *QUOTA_FIELDS)
 def plan_update(*, actor: Actor, plan: Plan, changes: dict[str, Any]) -> Plan:
     plan = Plan.objects.select_for_update().get(pk=plan.pk)
     before = _plan_snapshot(plan)
-    for field, value in changes.items():
+    for field in changes:
         if field not in _PLAN_FIELDS:
             raise InvalidRequest(f"'{field}' cannot be changed", param=field,
                                  code="invalid_value")
+    _validated_plan_limits({f: v for f, v in changes.items() if f in QUOTA_FIELDS})
+    for field, value in changes.items():
         setattr(plan, field, value)
     plan.save()
     audit_record(tenant=None, actor=actor, action="plan.update", target_type="plan",
@@ -209,10 +217,23 @@ def _validated_limits(changes: dict[str, Any]) -> dict[str, int | None]:
         if field not in QUOTA_FIELDS:
             raise InvalidRequest(f"'{field}' is not a quota", param=field, code="invalid_value")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise InvalidRequest(f"'{field}' must be a positive integer or null", param=field,
+                                  or not 1 <= value <= QUOTA_MAX[field]):
+            raise InvalidRequest(f"'{field}' must be an integer from 1 to "
+                                 f"{QUOTA_MAX[field]:,}, or null", param=field,
                                  code="invalid_value")
     return changes
+
+
+# A plan must set these; the others may be null (no limit).
+_PLAN_REQUIRED = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+
+
+def _validated_plan_limits(limits: dict[str, Any]) -> None:
+    for field in _PLAN_REQUIRED:
+        if field in limits and limits[field] is None:
+            raise InvalidRequest(f"a plan must set '{field}'", param=field,
+                                 code="invalid_value")
+    _validated_limits(limits)
 
 
 @transaction.atomic

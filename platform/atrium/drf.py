@@ -8,6 +8,7 @@ from django.core.exceptions import ObjectDoesNotExist
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404
 from rest_framework import exceptions as drf
+from rest_framework import parsers
 from rest_framework.response import Response
 
 from atrium.errors import ApiError, AuthenticationFailed, InvalidRequest, NotFound, PermissionDenied
@@ -75,3 +76,14 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if error.status == 401:
         response["WWW-Authenticate"] = 'Bearer realm="atrium"'
     return response
+
+
+class JSONParser(parsers.JSONParser):
+    """DRF's JSON parser, with a body nested past Python's recursion limit ("[[[[…")
+    answered as unparseable JSON (400) instead of a crash (500)."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        try:
+            return super().parse(stream, media_type, parser_context)
+        except RecursionError:
+            raise drf.ParseError("JSON parse error - nested too deeply") from None

@@ -9,35 +9,36 @@ from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from tenants.apis.base import StrictSerializer
-from tenants.models import QUOTA_FIELDS, ApiKey, Invitation, Role, Scope
+from tenants.models import QUOTA_FIELDS, QUOTA_MAX, ApiKey, Invitation, Role, Scope
 
 
-def _limit_field(**kwargs: Any) -> serializers.IntegerField:
-    return serializers.IntegerField(min_value=1, allow_null=True, **kwargs)
+def _limit_field(name: str, **kwargs: Any) -> serializers.IntegerField:
+    return serializers.IntegerField(min_value=1, max_value=QUOTA_MAX[name], allow_null=True,
+                                    **kwargs)
 
 
 @extend_schema_serializer(component_name="Limits")
 class LimitsSerializer(serializers.Serializer):
     """Limits of one level; null is "no limit here" (or "inherit", for overrides)."""
 
-    requests_per_minute = _limit_field()
-    tokens_per_minute = _limit_field()
-    max_concurrent_requests = _limit_field()
-    max_prompt_tokens = _limit_field()
-    max_output_tokens = _limit_field()
-    monthly_token_cap = _limit_field()
+    requests_per_minute = _limit_field("requests_per_minute")
+    tokens_per_minute = _limit_field("tokens_per_minute")
+    max_concurrent_requests = _limit_field("max_concurrent_requests")
+    max_prompt_tokens = _limit_field("max_prompt_tokens")
+    max_output_tokens = _limit_field("max_output_tokens")
+    monthly_token_cap = _limit_field("monthly_token_cap")
 
 
 @extend_schema_serializer(component_name="LimitsChange")
 class LimitsChangeSerializer(StrictSerializer):
     """Some limits to set (a positive integer) or clear (null); others stay as they are."""
 
-    requests_per_minute = _limit_field(required=False)
-    tokens_per_minute = _limit_field(required=False)
-    max_concurrent_requests = _limit_field(required=False)
-    max_prompt_tokens = _limit_field(required=False)
-    max_output_tokens = _limit_field(required=False)
-    monthly_token_cap = _limit_field(required=False)
+    requests_per_minute = _limit_field("requests_per_minute", required=False)
+    tokens_per_minute = _limit_field("tokens_per_minute", required=False)
+    max_concurrent_requests = _limit_field("max_concurrent_requests", required=False)
+    max_prompt_tokens = _limit_field("max_prompt_tokens", required=False)
+    max_output_tokens = _limit_field("max_output_tokens", required=False)
+    monthly_token_cap = _limit_field("monthly_token_cap", required=False)
 
 
 def limits_of(source: Any) -> dict[str, int | None]:

@@ -69,8 +69,10 @@ def test_revoked_key_is_401(api_server, served_model, tenant_key, engine_worker,
     _assert_nothing_queued(redis_client, served_model)
 
 
-def test_malformed_json_is_400(api_server, tenant_key, served_model, redis_client):
-    r = _post(api_server, CHAT, tenant_key.key, content=b'{"model": ',
+@pytest.mark.parametrize("body", [b'{"model": ', b"[" * 100_000 + b"]" * 100_000],
+                         ids=["cut short", "nested past the recursion limit"])
+def test_malformed_json_is_400(api_server, tenant_key, served_model, redis_client, body):
+    r = _post(api_server, CHAT, tenant_key.key, content=body,
               headers={"Content-Type": "application/json"})
     _assert_error(r, 400, "invalid_json")
     _assert_nothing_queued(redis_client, served_model)

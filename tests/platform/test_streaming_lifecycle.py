@@ -130,8 +130,9 @@ def test_websocket_reports_bad_requests_per_id(api_server, tenant_key, served_mo
 
     url = api_server.replace("http://", "ws://") + "/v1/stream"
     with connect(url, additional_headers={"Authorization": f"Bearer {tenant_key.key}"}) as ws:
-        ws.send("not json")
-        assert json.loads(ws.recv(timeout=10))["error"]["code"] == "invalid_json"
+        for junk in ("not json", "[" * 100_000 + "]" * 100_000):
+            ws.send(junk)
+            assert json.loads(ws.recv(timeout=10))["error"]["code"] == "invalid_json"
         ws.send(json.dumps({"type": "request", "id": "x", "endpoint": "chat.completions",
                             "body": {"model": "nope", "messages": []}}))
         message = json.loads(ws.recv(timeout=10))

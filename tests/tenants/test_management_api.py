@@ -414,6 +414,24 @@ def test_operators_create_tenants_set_plans_and_override_quotas(world):
                                  format="json").json()["name"] == "Charlie Ltd"
 
 
+def test_limits_past_what_the_columns_hold_and_nested_json_are_400s(world):
+    from tenants.models import Plan
+
+    client = _session(user_factory(is_staff=True))
+    for body in ({"requests_per_minute": 10**30}, {"monthly_token_cap": 2**63},
+                 {"tokens_per_minute": 2**31}):
+        _assert_error(client.patch("/api/v1/tenants/alpha/quota", body, format="json"), 400)
+    assert not QuotaOverride.objects.filter(tenant=world.a).exists()
+    _assert_error(client.post("/api/v1/plans", {
+        "slug": "huge", "name": "Huge", "priority": 1, "requests_per_minute": 2**40,
+        "tokens_per_minute": 1, "max_concurrent_requests": 1}, format="json"), 400)
+    assert not Plan.objects.filter(slug="huge").exists()
+    r = client.generic("PATCH", "/api/v1/tenants/alpha/quota", "[" * 100_000 + "]" * 100_000,
+                       content_type="application/json")
+    _assert_error(r, 400)
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_invitations_are_accepted_once_by_their_addressee(world):
     owner = _session(world.owner_a)
     r = owner.post("/api/v1/tenants/alpha/invitations",

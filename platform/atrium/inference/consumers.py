@@ -76,7 +76,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         try:
             message = json.loads(text_data) if text_data is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):
             message = None
         if not isinstance(message, dict):
             return await self._error(None, InvalidRequest("messages must be JSON objects",

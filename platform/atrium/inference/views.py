@@ -51,7 +51,7 @@ def _json_body(request: HttpRequest) -> Any:
         raise BodyTooLarge("the request body is too large") from exc
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: "[[[[…"
         raise InvalidRequest("We could not parse the JSON body of your request. The API "
                              "expects a JSON payload.", code="invalid_json") from exc
 
