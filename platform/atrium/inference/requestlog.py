@@ -142,7 +142,12 @@ class Trace:
         def text_of(value: Any) -> Any:
             if isinstance(value, list) and value and all(
                     isinstance(t, int) and not isinstance(t, bool) for t in value):
-                return model.tokenizer.decode(value) if model is not None else None
+                if model is None:
+                    return None
+                try:
+                    return model.tokenizer.decode(value)
+                except (OverflowError, ValueError, TypeError):  # ids no tokenizer knows
+                    return None
             if isinstance(value, list):
                 return [text_of(v) for v in value]
             if isinstance(value, dict):
@@ -151,7 +156,10 @@ class Trace:
 
         return text_of(body.get("messages") if self.kind == "chat" else body.get("prompt"))
 
-    def entry(self) -> RequestLogEntry:
+    def entry(self, *, bodies: bool = True) -> RequestLogEntry:
+        """The log entry; `bodies=False` leaves out the prompt and completion (the fallback
+        when the client's body cannot be turned into text: the metadata row is always
+        written)."""
         prepared, dispatch = self.prepared, self.dispatch
         usage = (getattr(dispatch, "usage", None) or {}) if dispatch is not None else {}
         if prepared is not None:
@@ -181,13 +189,21 @@ class Trace:
             cached_tokens=int(usage.get("cached_tokens", 0)),
             completion_tokens=completion_tokens, queue_ms=_ms(usage.get("queue_s")),
             ttft_ms=_ms(usage.get("ttft_s")), total_ms=_ms(usage.get("total_s")),
-            latency_ms=self._latency_ms, created_at=self.started_at, prompt=self._prompt(),
-            completion="".join(self.parts) if (self.parts or self.status == 200) else None)
+            latency_ms=self._latency_ms, created_at=self.started_at,
+            prompt=self._prompt() if bodies else None,
+            completion=("".join(self.parts) if (self.parts or self.status == 200) else None)
+            if bodies else None)
 
 
 def _record(trace: Trace) -> None:
     try:
-        request_log_record(entry=trace.entry())
+        try:
+            entry = trace.entry()
+        except Exception:  # noqa: BLE001 - a body nobody foresaw: keep the metadata
+            log.warning("request log of tenant %s: bodies left out, they could not be read",
+                        trace.principal.tenant_id, exc_info=True)
+            entry = trace.entry(bodies=False)
+        request_log_record(entry=entry)
     except Exception:  # noqa: BLE001 - a lost log line must not fail anything else
         log.warning("could not write the request log of a request of tenant %s",
                     trace.principal.tenant_id, exc_info=True)
