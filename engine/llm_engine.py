@@ -63,6 +63,8 @@ class LLMEngine:
         self._adapter_of: dict[str, str] = {}  # request id -> adapter hash, until it finishes
         self.runner = ModelRunner(config, self.model_config, self.max_model_len,
                                   adapters=self.adapters.get if self.adapters else None)
+        if slots is not None:
+            self.runner.load_adapters(slots.take_loads())  # the pinned ones, before any request
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.metrics = EngineMetrics()

@@ -80,14 +80,18 @@ class ModelRunner:
                              "the budget")
         return int(blocks)
 
+    def load_adapters(self, loads: list[tuple[int, str]]) -> None:
+        """Copies each (slot, adapter hash) in."""
+        for slot, adapter_hash in loads:
+            self.lora.load_slot(slot, self.adapters(adapter_hash))
+
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> list[int | SampleFailure | None]:
         """One forward pass; the sampled token of each request that samples, else None.
 
         A request whose row could not be sampled gets a ``SampleFailure``.
         """
-        for slot, adapter_hash in batch.adapter_loads:
-            self.lora.load_slot(slot, self.adapters(adapter_hash))
+        self.load_adapters(batch.adapter_loads)
         reqs = batch.requests
         if not reqs:
             return []

@@ -134,7 +134,8 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
-        loads = self.slots.take_loads() if self.slots is not None else []
+        # NOTE: an empty batch never reaches the runner, so its loads wait for the next one.
+        loads = self.slots.take_loads() if self.slots is not None and scheduled else []
         return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
                                finished, loads)
 

@@ -33,6 +33,14 @@ def test_pinned_adapters_never_leave():
         AdapterSlots(1, pinned=("p", "q"))
 
 
+def test_an_empty_step_keeps_its_slot_loads_for_the_next_batch():
+    sched = scheduler()
+    sched.slots = AdapterSlots(2, pinned=("p" * 64,))
+    assert sched.schedule().adapter_loads == []
+    sched.add(seq(4))
+    assert sched.schedule().adapter_loads == [(0, "p" * 64)]
+
+
 def test_candidates_interleave_tenants_round_by_round():
     queue = FairQueue()
     a1, a2, b1, c1 = seq(tenant="a"), seq(tenant="a"), seq(tenant="b"), seq(tenant="c")

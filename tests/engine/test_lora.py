@@ -166,6 +166,18 @@ def test_pinned_adapters_stay_in_their_slots(tiny_model_dir, store_root, adapter
     assert tokens(outputs["mlp-r64-pattern-6"]) == expected["mlp-r64-pattern"][0]
 
 
+def test_a_pinned_adapter_is_in_its_slot_from_start_up_and_through_idle_steps(
+        tiny_model_dir, store_root, adapters, expected):
+    pinned = adapters["qv-r16"][1]
+    eng = engine(tiny_model_dir, store_root, max_loras=2, pinned_adapters=(pinned,))
+    assert eng.runner.lora.slot_hash[0] == pinned
+    assert eng.step() == []  # nothing to run yet
+    eng.add_request(adapter_request("p", PROMPTS[0], "qv-r16", adapters))
+    outputs = drain(eng)
+    assert outputs["p"][-1].error is None
+    assert tokens(outputs["p"]) == expected["qv-r16"][0]
+
+
 def test_requests_for_an_unknown_or_unloadable_adapter_fail_clearly(tiny_model_dir, store_root,
                                                                     adapters, tmp_path):
     eng = engine(tiny_model_dir, store_root)
