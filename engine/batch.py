@@ -30,6 +30,9 @@ class ScheduledRequest:
     # keyed by (seed, n), so a recomputed or re-batched request samples the same.
     num_output_tokens: int = 0
     adapter_slot: int = -1  # LoRA slot; -1: the base model
+    # The adapter (content hash) that must be in adapter_slot: the runner checks, and loads
+    # it if the slot holds anything else.
+    adapter_hash: str | None = None
 
     @property
     def is_decode(self) -> bool:

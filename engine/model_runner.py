@@ -80,10 +80,13 @@ class ModelRunner:
                              "the budget")
         return int(blocks)
 
-    def load_adapters(self, loads: list[tuple[int, str]]) -> None:
-        """Copies each (slot, adapter hash) in."""
+    def load_adapters(self, loads: list[tuple[int, str | None]]) -> None:
+        """Copies each (slot, adapter hash) in, unless the slot already holds that adapter."""
         for slot, adapter_hash in loads:
-            self.lora.load_slot(slot, self.adapters(adapter_hash))
+            if self.lora.slot_hash[slot] != adapter_hash:
+                if adapter_hash is None:
+                    raise ValueError(f"a row uses LoRA slot {slot} without naming its adapter")
+                self.lora.load_slot(slot, self.adapters(adapter_hash))
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> list[int | SampleFailure | None]:
@@ -93,6 +96,9 @@ class ModelRunner:
         """
         self.load_adapters(batch.adapter_loads)
         reqs = batch.requests
+        # NOTE: the slots' own record (slot_hash) is the truth, not the scheduler's table: a
+        # load lost or failed earlier must never run a row with another adapter's weights.
+        self.load_adapters([(r.adapter_slot, r.adapter_hash) for r in reqs if r.adapter_slot >= 0])
         if not reqs:
             return []
         # Decode rows (one query token) first, then prompt chunks; within each, rows of one

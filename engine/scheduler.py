@@ -182,7 +182,7 @@ class Scheduler:
             request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
             block_table=self.kv.block_table(seq), sample=start + n == seq.num_tokens,
             sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
-            adapter_slot=seq.adapter_slot)
+            adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""

@@ -59,7 +59,12 @@ class LoRAManager:
         self.slot_hash: list[str | None] = [None] * num_slots
 
     def load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copies an adapter's weights into ``slot`` (zeros where it adapts nothing)."""
+        """Copies an adapter's weights into ``slot`` (zeros where it adapts nothing).
+
+        ``slot_hash[slot]`` names the adapter only once the copy is complete: after a copy
+        that failed part-way it is None, never the previous adapter's hash.
+        """
+        self.slot_hash[slot] = None
         r = self.max_rank
         for layer in self.stacks:
             for stack in layer.values():
@@ -75,7 +80,6 @@ class LoRAManager:
             stack.b[slot, lo:hi, :rank] = weights.b
             stack.scales[slot, index] = weights.scaling
         self.ranks[slot] = adapter.rank
-        self.slot_hash[slot] = adapter.adapter_hash
         if not self.use_triton:
             rank = adapter.rank
             for layer in self.stacks:
@@ -89,6 +93,7 @@ class LoRAManager:
                         b[s * rank:(s + 1) * rank, lo:hi] = \
                             (stack.b[slot, lo:hi, :rank] * stack.scales[slot, s]).T
                     stack.dense[slot] = (a.contiguous(), b)
+        self.slot_hash[slot] = adapter.adapter_hash
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor,
               seg: Segments) -> None:

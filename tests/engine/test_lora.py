@@ -15,7 +15,7 @@ from engine import protocol
 from engine.batch import ScheduledRequest, SchedulerOutput
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.lora.adapter import AdapterError, load_adapter
+from engine.lora.adapter import AdapterError, LoRAAdapter, LoRAModule, load_adapter
 from engine.lora.store import AdapterStore, content_hash
 from engine.models.llama import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ def test_mixed_batch_equals_peft_for_each_adapter_alone(tiny_model_dir, store_ro
     assert max(len(s) for s in seen_per_step) <= eng.config.max_loras
 
 
-def _engine_logits(runner, prompt: list[int], slot: int) -> torch.Tensor:
+def _engine_logits(runner, prompt: list[int], slot: int, adapter_hash: str) -> torch.Tensor:
     """Logits at every position of ``prompt`` through the runner, one token per step."""
     captured = []
     original = runner.model.compute_logits
@@ -115,7 +115,7 @@ def _engine_logits(runner, prompt: list[int], slot: int) -> torch.Tensor:
     for pos, token in enumerate(prompt):
         runner.run(SchedulerOutput([ScheduledRequest(
             request_id="r", token_ids=[token], start_pos=pos, block_table=list(range(8)),
-            sample=True, sampling=params, adapter_slot=slot)]))
+            sample=True, sampling=params, adapter_slot=slot, adapter_hash=adapter_hash)]))
     runner.model.compute_logits = original
     return torch.cat(captured)
 
@@ -125,7 +125,7 @@ def test_logits_agree_with_peft(tiny_model_dir, store_root, adapters):
     prompt = PROMPTS[2][:24]
     for slot, (name, (folder, adapter_hash)) in enumerate(adapters.items()):
         eng.runner.lora.load_slot(slot, eng.adapters.load_now(adapter_hash))
-        ours = _engine_logits(eng.runner, prompt, slot)
+        ours = _engine_logits(eng.runner, prompt, slot, adapter_hash)
         torch.testing.assert_close(ours, peft_logits(tiny_model_dir, folder, prompt),
                                    atol=1e-4, rtol=1e-4, msg=name)
 
@@ -176,6 +176,38 @@ def test_a_pinned_adapter_is_in_its_slot_from_start_up_and_through_idle_steps(
     outputs = drain(eng)
     assert outputs["p"][-1].error is None
     assert tokens(outputs["p"]) == expected["qv-r16"][0]
+
+
+def test_a_failed_slot_load_never_serves_the_previous_adapter(tiny_model_dir, store_root,
+                                                              adapters, expected):
+    eng = engine(tiny_model_dir, store_root, max_loras=1)
+    eng.add_request(adapter_request("a", PROMPTS[0], "all-r8", adapters))
+    drain(eng)
+    real = eng.runner.adapters
+
+    def fails_once(adapter_hash):
+        eng.runner.adapters = real
+        raise OSError("the copy failed")
+
+    eng.runner.adapters = fails_once
+    eng.add_request(adapter_request("b", PROMPTS[0], "qv-r16", adapters))
+    assert "the copy failed" in drain(eng)["b"][-1].error
+    eng.add_request(adapter_request("b-again", PROMPTS[0], "qv-r16", adapters))
+    assert tokens(drain(eng)["b-again"]) == expected["qv-r16"][0]
+
+
+def test_a_slot_whose_copy_failed_part_way_names_no_adapter(tiny_model_dir, store_root,
+                                                            adapters):
+    eng = engine(tiny_model_dir, store_root, num_kv_blocks=8)
+    lora = eng.runner.lora
+    lora.load_slot(0, eng.adapters.load_now(adapters["all-r8"][1]))
+    good = eng.adapters.load_now(adapters["qv-r16"][1])
+    key, module = list(good.modules.items())[-1]
+    misshapen = LoRAModule(module.a[:, :3], module.b, module.scaling)
+    broken = LoRAAdapter(good.adapter_hash, good.rank, {**good.modules, key: misshapen})
+    with pytest.raises(RuntimeError):
+        lora.load_slot(0, broken)
+    assert lora.slot_hash[0] is None
 
 
 def test_requests_for_an_unknown_or_unloadable_adapter_fail_clearly(tiny_model_dir, store_root,
