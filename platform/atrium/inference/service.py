@@ -328,6 +328,17 @@ async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
             await release(prepared, admission, dispatch)
 
 
+async def abandon(prepared: Prepared, dispatch: Dispatch,
+                  admission: quota.Admission | None) -> None:
+    """A dispatched request whose response will never be read: the engine's work is
+    cancelled and the quota settled, as a stream's own cleanup would."""
+    try:
+        if not dispatch.finished:
+            await dispatch.cancel()
+    finally:
+        await release(prepared, admission, dispatch)
+
+
 async def collect(prepared: Prepared, dispatch: Dispatch,
                   admission: quota.Admission | None = None) -> dict[str, Any]:
     """The whole (non-streaming) response object."""

@@ -67,6 +67,45 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+class EventStream(StreamingHttpResponse):
+    """An SSE response that cleans up after a stream nobody ever read.
+
+    A stream's own generators free its engine work, quota and log entry when they end,
+    but a client that hangs up after the view returned and before the server began
+    sending makes Django close the response with its generators never started, so their
+    cleanup would never run. `close()` then schedules `on_unsent` on the view's loop.
+    """
+
+    _unsent_cleanups: set[asyncio.Future] = set()
+
+    def __init__(self, events: AsyncIterator[bytes], *,
+                 on_unsent: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        self._started = False
+        self._on_unsent = on_unsent
+        self._loop = asyncio.get_running_loop()
+        super().__init__(self._marked(events), content_type="text/event-stream", **kwargs)
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"
+
+    async def _marked(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        self._started = True
+        async for event in events:
+            yield event
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if not self._started:
+                self._started = True
+                self._loop.call_soon_threadsafe(self._clean_up)
+
+    def _clean_up(self) -> None:
+        cleanup = asyncio.ensure_future(self._on_unsent())
+        self._unsent_cleanups.add(cleanup)
+        cleanup.add_done_callback(self._unsent_cleanups.discard)
+
+
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
     principal = await authenticate(request.headers.get("Authorization"))
     # Every authenticated request is logged when it ends (requestlog.py), however it ends.
@@ -100,13 +139,18 @@ async def _serve(request: HttpRequest, kind: service.Kind,
             raise
         trace.dispatch = dispatch
         if prepared.params.stream:
-            # The stream's own cleanup settles the admission when it ends, however it ends.
-            response = StreamingHttpResponse(
+            # The stream's own cleanup settles the admission when it ends, however it ends;
+            # a stream never started is cleaned up when Django closes the response.
+            async def unsent() -> None:
+                trace.cancel()
+                try:
+                    await service.abandon(prepared, dispatch, admission)
+                finally:
+                    trace.submit()
+
+            return EventStream(
                 _sse(trace.observe(service.stream_chunks(prepared, dispatch, admission))),
-                content_type="text/event-stream", headers=headers)
-            response["Cache-Control"] = "no-cache"
-            response["X-Accel-Buffering"] = "no"
-            return response
+                on_unsent=unsent, headers=headers)
         result = await service.collect(prepared, dispatch, admission)
         trace.completed(result)
         return JsonResponse(result, headers=headers)
