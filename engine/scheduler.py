@@ -105,10 +105,16 @@ class Scheduler:
 
         # New work only when nothing had to make room this step. A sequence whose adapter
         # has no free slot is passed over; one that does not fit the KV pool stops the walk.
+        # NOTE: once one waits for a slot, no sequence after it takes an adapter slot, not
+        # even one whose adapter is already in: else a busy adapter's stream of requests
+        # keeps every slot busy and the one waiting never gets one. Now a slot drains.
+        waiting_for_slot = False
         for seq in self.waiting.candidates() if not preempted else ():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.adapter_hash is not None and not self.slots.can_acquire(seq.adapter_hash):
+            if seq.adapter_hash is not None and (
+                    waiting_for_slot or not self.slots.can_acquire(seq.adapter_hash)):
+                waiting_for_slot = True
                 continue
             computed, num_cached = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - num_cached, budget)
