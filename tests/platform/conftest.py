@@ -51,11 +51,11 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     """The real ASGI app under uvicorn on a free port; yields its base URL."""
     from atrium import redis as atrium_redis
     from atrium.asgi import application
+    from atrium.cli import server_options
 
     port = _free_port()
     server = _ThreadedServer(uvicorn.Config(application, host="127.0.0.1", port=port,
-                                            lifespan="off", ws="websockets-sansio",
-                                            log_level="warning"))
+                                            log_level="warning", **server_options()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 15

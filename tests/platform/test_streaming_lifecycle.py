@@ -124,6 +124,20 @@ def test_websocket_refuses_a_foreign_origin(api_server, tenant_key):
     assert err.value.response.status_code == 403
 
 
+def test_a_websocket_message_over_the_body_limit_closes_the_socket(api_server, tenant_key,
+                                                                   settings):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, additional_headers={"Authorization": f"Bearer {tenant_key.key}"},
+                 max_size=None) as ws:
+        ws.send("x" * (settings.ATRIUM_MAX_BODY_BYTES + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
+
+
 def test_websocket_reports_bad_requests_per_id(api_server, tenant_key, served_model,
                                                engine_worker):
     from websockets.sync.client import connect
