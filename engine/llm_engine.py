@@ -59,6 +59,9 @@ class LLMEngine:
                 self.adapters.load_now(adapter_hash)
                 self.adapters.retain(adapter_hash)
             slots = AdapterSlots(config.max_loras, pinned=config.pinned_adapters)
+            if len(slots.pinned) == slots.num_slots:
+                log.warning("pinned adapters fill all %d LoRA slots: requests for any other "
+                            "adapter are refused", slots.num_slots)
         self._loading: dict[str, list[Sequence]] = {}  # adapter hash -> sequences waiting on it
         self._adapter_of: dict[str, str] = {}  # request id -> adapter hash, until it finishes
         self.runner = ModelRunner(config, self.model_config, self.max_model_len,
@@ -100,6 +103,10 @@ class LLMEngine:
                 raise ValueError("this engine serves no LoRA adapters")
             if not is_hash(adapter_hash):
                 raise ValueError("adapter_hash must be a 64-character lowercase hex hash")
+            if not self.scheduler.slots.can_ever_hold(adapter_hash):
+                # NOTE: refused, not queued: it would wait for a slot that never frees.
+                raise ValueError(f"adapter {request.adapter or adapter_hash} is not served by "
+                                 f"this engine: pinned adapters fill all its LoRA slots")
             if not self.adapters.store.exists(adapter_hash) and not self.adapters.store.can_fetch:
                 raise ValueError(f"adapter {request.adapter or adapter_hash} is not in the "
                                  f"adapter store")

@@ -27,6 +27,10 @@ class AdapterSlots:
         for adapter in pinned:
             self._place(adapter)
 
+    def can_ever_hold(self, adapter: str) -> bool:
+        """False when pinned adapters fill every slot and ``adapter`` is not one of them."""
+        return adapter in self.pinned or len(self.pinned) < self.num_slots
+
     def can_acquire(self, adapter: str) -> bool:
         return adapter in self.slot_of or bool(self._free) or bool(self._idle)
 

@@ -178,6 +178,20 @@ def test_a_pinned_adapter_is_in_its_slot_from_start_up_and_through_idle_steps(
     assert tokens(outputs["p"]) == expected["qv-r16"][0]
 
 
+def test_an_engine_whose_pins_fill_every_slot_refuses_other_adapters(tiny_model_dir, store_root,
+                                                                    adapters, expected):
+    pinned = adapters["qv-r16"][1]
+    eng = engine(tiny_model_dir, store_root, max_loras=1, pinned_adapters=(pinned,))
+    with pytest.raises(ValueError, match="pinned adapters fill"):
+        eng.add_request(adapter_request("other", PROMPTS[0], "all-r8", adapters))
+    assert not eng.has_unfinished()
+    eng.add_request(adapter_request("p", PROMPTS[0], "qv-r16", adapters))
+    eng.add_request(adapter_request("base", PROMPTS[0], None, adapters))
+    outputs = drain(eng)
+    assert tokens(outputs["p"]) == expected["qv-r16"][0]
+    assert tokens(outputs["base"]) == expected[None][0]
+
+
 def test_a_failed_slot_load_never_serves_the_previous_adapter(tiny_model_dir, store_root,
                                                               adapters, expected):
     eng = engine(tiny_model_dir, store_root, max_loras=1)
