@@ -108,7 +108,9 @@ if triton is not None:
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         for i in range(0, tl.cdiv(context, BLOCK_SIZE)):
-            block = tl.load(tables_ptr + seq * stride_tb + i)
+            # NOTE: int64: block * stride_kn passes 2**31 once the cache holds 2**31 elements
+            # (4 GiB of fp16), and an int32 product would wrap to another block's address.
+            block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
             t_ok = i * BLOCK_SIZE + t < context
             offs = block * stride_kn + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
             kv_mask = t_ok[:, None] & d_ok[None, :]

@@ -165,20 +165,23 @@ if triton is not None:
             m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
             n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
             m_ok = m < length
+            # NOTE: row and slot offsets in int64: rows * stride can pass 2**31 elements.
+            rows = (start + m).to(tl.int64)
+            slot_off = slot.to(tl.int64) * stride_as
             n_live = (n < N) & (n % R < rank)  # columns past the adapter's rank stay 0
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < K
-                x = tl.load(x_ptr + (start + m)[:, None] * stride_xm + k[None, :],
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-                a = tl.load(a_ptr + slot * stride_as + n[None, :] * stride_an + k[:, None],
+                a = tl.load(a_ptr + slot_off + n[None, :] * stride_an + k[:, None],
                             mask=k_ok[:, None] & n_live[None, :], other=0.0)  # [BK, BN]
                 if UPCAST:
                     acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
                 else:
                     acc += tl.dot(x, a)
-            tl.store(out_ptr + (start + m)[:, None] * stride_om + n[None, :], acc,
+            tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], acc,
                      mask=m_ok[:, None] & (n < N)[None, :])
 
     @triton.jit
@@ -204,16 +207,18 @@ if triton is not None:
             m_ok = m < length
             c_ok = cols < hi
             r_ok = r < rank
-            part = tl.load(buf_ptr + (start + m)[:, None] * stride_bufm + s * R + r[None, :],
+            rows = (start + m).to(tl.int64)  # int64 offsets, as in the shrink
+            part = tl.load(buf_ptr + rows[:, None] * stride_bufm + s * R + r[None, :],
                            mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BM, BR] fp32
-            b = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bo + r[:, None],
+            b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :] * stride_bo
+                        + r[:, None],
                         mask=r_ok[:, None] & c_ok[None, :], other=0.0)  # [BR, BN]
             if UPCAST:
                 delta = tl.dot(part, b.to(tl.float32), input_precision="ieee")
             else:
                 delta = tl.dot(part.to(b.dtype), b)
             delta = delta * tl.load(scales_ptr + slot * stride_ss + s)
-            y_ptrs = y_ptr + (start + m)[:, None] * stride_ym + cols[None, :]
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
             ok = m_ok[:, None] & c_ok[None, :]
             y = tl.load(y_ptrs, mask=ok, other=0.0)
             tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=ok)

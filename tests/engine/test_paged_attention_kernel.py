@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kernels.paged_attention import paged_decode_attention, paged_decode_reference
+from tests.engine.kernel_testing import sparse_zeros
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -76,3 +77,19 @@ def test_wrapper_rejects_mismatched_shapes_and_dtypes():
     small = k[:, :8].contiguous()
     with pytest.raises(ValueError, match="block size"):
         paged_decode_attention(q, small, small, tables, lens, scale=1.0)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the cache would take 8 GiB of memory")
+def test_blocks_past_2_to_the_32_elements_are_addressed_in_64_bits(tmp_path):
+    block_size, head_dim = 16, 16
+    far = 2**32 // (block_size * head_dim) + 1  # block * stride in int32 wraps to block 1
+    cache = sparse_zeros(tmp_path / "kv", (far + 1, block_size, 1, head_dim), torch.float16)
+    gen = torch.Generator().manual_seed(0)
+    cache[far] = torch.randn(block_size, 1, head_dim, generator=gen).half()
+    q = torch.randn(1, 2, head_dim, generator=gen).half()
+    tables = torch.tensor([[far]], dtype=torch.int32)
+    lens = torch.tensor([block_size], dtype=torch.int32)
+    expected = paged_decode_reference(q, cache, cache, tables, lens, scale=0.25)
+    actual = paged_decode_attention(q, cache, cache, tables, lens, scale=0.25)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)

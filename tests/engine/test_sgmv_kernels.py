@@ -16,6 +16,7 @@ from engine.kernels.sgmv import (
     sgmv_shrink,
     sgmv_shrink_reference,
 )
+from tests.engine.kernel_testing import sparse_zeros
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -155,3 +156,24 @@ def test_empty_segments_and_a_batch_of_only_base_rows_change_nothing():
     untouched = y0.clone()
     sgmv_expand(buf, b, untouched, none, ranks, 16, [0, 20], scales)
     assert len(none) == 0 and torch.equal(untouched, y0)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the rows would take 48 GiB of memory")
+def test_rows_past_2_to_the_32_elements_are_addressed_in_64_bits(tmp_path):
+    width, rows = 64, 4  # in = out = max rank = width, one slice
+    far = 2**32 // width + 1  # row * stride in int32 wraps to row 1
+    x, buf, y = (sparse_zeros(tmp_path / name, (far + rows, width), torch.float32)
+                 for name in ("x", "buf", "y"))
+    gen = torch.Generator().manual_seed(0)
+    x[far:] = torch.randn(rows, width, generator=gen)
+    y[far:] = y0 = torch.randn(rows, width, generator=gen)
+    lora_a, lora_b = (torch.randn(1, width, width, generator=gen) * 0.1 for _ in range(2))
+    seg = Segments(torch.tensor([far], dtype=torch.int32), torch.tensor([rows], dtype=torch.int32),
+                   torch.tensor([0], dtype=torch.int32), max_length=rows)
+    ranks, scales = torch.tensor([width], dtype=torch.int32), torch.tensor([[0.5]])
+    sgmv_shrink(x, lora_a, buf, seg, ranks, width)
+    sgmv_expand(buf, lora_b, y, seg, ranks, width, [0, width], scales)
+    expected_buf = x[far:] @ lora_a[0].T
+    torch.testing.assert_close(buf[far:], expected_buf, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(y[far:], y0 + 0.5 * expected_buf @ lora_b[0].T,
+                               **TOLERANCE[torch.float32])
