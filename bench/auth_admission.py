@@ -1,8 +1,10 @@
 """The hot path's own cost: authenticating the API key and admitting the request's quotas.
 
 Per request, as the inference views do it: ``authenticate`` (key cache in Redis; the
-database only on a miss) + ``admit`` (one Lua script over tenant and key limits, after
-the spend-cap read) + ``settle`` when the request ends. Measured in one asyncio process
+database only on a miss) + ``precheck`` (the admission script in check-only mode, before
+the prompt is tokenized, so a refused caller costs no parsing) + ``admit`` (one Lua
+script over tenant and key limits, after the spend-cap read) + ``settle`` when the
+request ends. Measured in one asyncio process
 against Redis on loopback:
 - latency added per request, sequentially (median, p99), with the cache warm;
 - the peer in the same run: authentication without the key cache (a database lookup
@@ -71,6 +73,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     async def cached_path() -> None:
         principal = await authenticate(header)
+        await admission.precheck(client, principal=principal)
         granted = await admission.admit(client, principal=principal,
                                         request_id=uuid.uuid4().hex, prompt_tokens=100,
                                         max_tokens=100, lease_s=60)
@@ -78,6 +81,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     async def uncached_path() -> None:
         principal = await lookup(digest=keys.digest(plaintext))
+        await admission.precheck(client, principal=principal)
         granted = await admission.admit(client, principal=principal,
                                         request_id=uuid.uuid4().hex, prompt_tokens=100,
                                         max_tokens=100, lease_s=60)

@@ -69,6 +69,30 @@ def test_requests_per_minute_admits_the_limit_then_429s_with_retry_after(run):
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
 
 
+def test_the_precheck_refuses_a_caller_at_a_limit_and_takes_nothing(run, redis_client):
+    who = principal(requests_per_minute=2, max_concurrent_requests=5)
+    crowded = principal(tenant_id=2, key_id=2, max_concurrent_requests=1)
+
+    async def scenario(client):
+        await quota.precheck(client, principal=who)  # under every limit: passes...
+        snapshot = sorted(redis_client.keys("atrium:quota:*"))
+        await quota.precheck(client, principal=who)
+        assert sorted(redis_client.keys("atrium:quota:*")) == snapshot  # ...taking nothing
+        admitted = [await admit(client, who) for _ in range(2)]  # both still admitted
+        with pytest.raises(RateLimited) as at_rpm:
+            await quota.precheck(client, principal=who)
+        await admit(client, crowded)
+        with pytest.raises(RateLimited) as at_concurrency:
+            await quota.precheck(client, principal=crowded)
+        return admitted, at_rpm.value, at_concurrency.value
+
+    admitted, at_rpm, at_concurrency = run(scenario)
+    assert [a.state.remaining_requests for a in admitted] == [1, 0]
+    assert at_rpm.type == "requests" and "requests per minute" in at_rpm.message
+    assert at_rpm.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "concurrent requests" in at_concurrency.message
+
+
 def test_tokens_per_minute_reserves_prompt_plus_max_tokens_and_refunds_the_unused(run):
     who = principal(tokens_per_minute=1000)
 

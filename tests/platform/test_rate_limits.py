@@ -126,6 +126,11 @@ def test_over_the_request_limit_is_429_with_retry_after_in_openais_shape(
     assert headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert redis_client.xlen(protocol.request_stream(served_model)) == 0
+    # Refused before its prompt is read: a body that would be a 400 once tokenized (ids
+    # past the vocabulary) is still a 429, so a refused caller spends no parsing.
+    refused = post(api_server, caller, {"model": served_model, "prompt": [10**9] * 50_000,
+                                        "max_tokens": 2}, path="/v1/completions")
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
 
 
 def test_a_spent_monthly_cap_is_insufficient_quota(api_server, served_model):

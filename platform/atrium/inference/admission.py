@@ -182,7 +182,7 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
     tenant_keys, key_keys = _level_keys(principal, month)
     keys = [*tenant_keys, *key_keys, f"atrium:apikey-used:{principal.api_key_id}"]
     args = [request_id, cost, int(lease_s * 1000), month_reset_ms, *_limit_args(principal),
-            TOUCH_INTERVAL_S]
+            TOUCH_INTERVAL_S, 0]
     reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
     (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset, touch) = reply
     state = RateLimitState(rl, rr, rreset, tl, tr, treset)
@@ -191,6 +191,24 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
                          month=month, state=state, touch=bool(touch))
     raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
                    limit=failed_limit, cost=cost, state=state)
+
+
+async def precheck(client: aioredis.Redis, *, principal: Principal) -> None:
+    """Refuses (429) at once a caller that no request could pass now (at its requests per
+    minute, concurrency, monthly tokens or spend cap), before its prompt is tokenized:
+    a refused tenant cannot make the web tier parse megabytes. Takes nothing."""
+    await spend_cap_check(client, principal)
+    month, month_reset_ms = month_window()
+    tenant_keys, key_keys = _level_keys(principal, month)
+    keys = [*tenant_keys, *key_keys, f"atrium:apikey-used:{principal.api_key_id}"]
+    # One token: the least any request costs (max_tokens is at least 1).
+    args = ["", 1, 0, month_reset_ms, *_limit_args(principal), 0, 1]
+    reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
+    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset, _) = reply
+    if not ok:
+        raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
+                       limit=failed_limit, cost=1,
+                       state=RateLimitState(rl, rr, rreset, tl, tr, treset))
 
 
 def _refusal(principal: Principal, *, reason: int, level: str, retry_ms: int, limit: int,

@@ -5,7 +5,8 @@
 -- ARGV: [1] request id, [2] tokens to reserve (prompt + max_tokens), [3] lease ms (how long
 --   an in-flight slot lives if it is never released), [4] unix ms when the month resets,
 --   [5..8] tenant limits rpm, tpm, concurrent, monthly tokens, [9..12] the key's (0: none),
---   [13] seconds between "last used" writes.
+--   [13] seconds between "last used" writes, [14] 1 to only check (a pre-check before the
+--   prompt is tokenized: refuses what no request could pass now, takes nothing).
 -- Buckets are GCRA: a bucket stores its theoretical arrival time (TAT, unix ms); a limit of
 --   N per minute spends 60000/N ms of TAT per unit and admits while TAT - now <= 60000.
 -- Returns {admitted, reason, level, retry_ms, failed_limit,
@@ -91,6 +92,10 @@ if failed then
   return {0, failed[1], failed[2], math.ceil(failed[3]), failed[4],
           req.limit, req.remaining, math.ceil(req.reset),
           tok.limit, tok.remaining, math.ceil(tok.reset), 0}
+end
+
+if tonumber(ARGV[14]) == 1 then
+  return {1, 0, 0, 0, 0, -1, -1, 0, -1, -1, 0, 0}
 end
 
 -- Second pass: take the request, the tokens, the slot and the month's share at every level.

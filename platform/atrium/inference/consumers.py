@@ -118,6 +118,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             # Logged when it ends, however it ends (requestlog.py).
             trace = requestlog.Trace(principal, kind, transport="websocket")
             trace.body = body
+            await service.precheck(principal)  # a refused caller costs no tokenizing
             prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
                 principal=principal, kind=kind, body=body)
             trace.prepared = prepared

@@ -202,6 +202,11 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
                     principal=principal)
 
 
+async def precheck(principal: Principal) -> None:
+    """429 now for a caller at a limit no request could pass, before any parsing."""
+    await quota.precheck(async_client(), principal=principal)
+
+
 async def admit(prepared: Prepared) -> quota.Admission:
     """Takes the request's share of its quotas; raises RateLimited / QuotaExceeded (429)."""
     request = prepared.engine_request

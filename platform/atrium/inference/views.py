@@ -125,6 +125,7 @@ async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
 async def _serve(request: HttpRequest, kind: service.Kind,
                  trace: requestlog.Trace) -> HttpResponse:
     trace.body = _json_body(request)
+    await service.precheck(trace.principal)  # a refused caller costs no tokenizing
     # Tokenizing a long prompt is CPU work: keep it off the event loop.
     prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
         principal=trace.principal, kind=kind, body=trace.body)
