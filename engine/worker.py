@@ -166,17 +166,20 @@ class Worker:
 
     def decode_entry(self, entry_id: bytes, fields: Any) -> protocol.EngineRequest | None:
         """The entry's request, or None after dropping a malformed entry (and saying so)."""
+        message = "malformed request entry"
         try:
             request = protocol.EngineRequest.decode(fields)
-            if not isinstance(request.request_id, str) or not request.request_id:
+            if not request.request_id:
                 raise ValueError("request_id must be a non-empty string")
             return request
-        except Exception:  # noqa: BLE001 - whatever a client wrote, the worker stays up
+        except Exception as exc:  # noqa: BLE001 - whatever a client wrote, the worker stays up
             log.warning("dropping malformed request entry %s on %s", entry_id, self.stream)
+            if isinstance(exc, ValueError):
+                message = f"{message}: {exc}"[:300]
         request_id = _request_id_of(fields)
         if request_id and request_id not in self.events.open:
             self.events.finish_unstarted(entry_id, request_id, protocol.EV_ERROR, {
-                "code": protocol.ERROR_INVALID_REQUEST, "message": "malformed request entry"})
+                "code": protocol.ERROR_INVALID_REQUEST, "message": message})
         else:
             self.events.drop(entry_id)
         return None
@@ -206,6 +209,10 @@ class Worker:
             except ValueError as exc:
                 refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
                                               "message": str(exc)}
+            except Exception:  # noqa: BLE001 - refuse this request, keep serving the others
+                log.exception("starting request %s failed", rid)
+                refusal = protocol.EV_ERROR, {"code": protocol.ERROR_ENGINE,
+                                              "message": "the engine could not start this request"}
         if refusal is not None:
             self.events.finish_unstarted(entry_id, rid, *refusal)
         else:

@@ -137,6 +137,48 @@ def test_an_engine_error_fails_that_request_only(start_worker, redis_client,
     assert_queue_empty(redis_client)
 
 
+def test_mistyped_entries_are_refused_and_the_worker_keeps_serving(start_worker, redis_client):
+    worker = start_worker()
+    for rid, change in [("no-stop", {"sampling": {"max_tokens": 3, "stop": None}}),
+                        ("no-tenant", {"tenant_id": None})]:
+        raw = json.loads(make_request(PROMPT, request_id=rid).encode()["data"]) | change
+        redis_client.xadd(protocol.request_stream("tiny"), {"data": json.dumps(raw)})
+    request = make_request(PROMPT, max_tokens=3)
+    submit(redis_client, request)
+    assert read_events(redis_client, request.request_id)[-1].type == protocol.EV_FINISH
+    for rid, field in [("no-stop", "sampling.stop"), ("no-tenant", "request.tenant_id")]:
+        (event,) = read_events(redis_client, rid)
+        assert event.type == protocol.EV_ERROR and event.data["code"] == "invalid_request"
+        assert field in event.data["message"]
+    assert worker.thread.is_alive()
+    assert_queue_empty(redis_client)
+
+
+def test_an_unexpected_error_starting_a_request_refuses_only_it(start_worker, redis_client,
+                                                                reference_engine_factory):
+    def factory(model_dir):
+        engine = reference_engine_factory()
+        real = engine.add_request
+
+        def add_request(request):
+            if request.request_id == "bad":
+                raise KeyError("simulated bug")
+            real(request)
+
+        engine.add_request = add_request
+        return engine
+
+    worker = start_worker(engine_factory=factory)
+    bad, good = make_request(PROMPT, request_id="bad"), make_request(PROMPT, max_tokens=3)
+    submit(redis_client, bad)
+    submit(redis_client, good)
+    (refused,) = read_events(redis_client, "bad")
+    assert refused.type == protocol.EV_ERROR and refused.data["code"] == "engine_error"
+    assert read_events(redis_client, good.request_id)[-1].type == protocol.EV_FINISH
+    assert worker.thread.is_alive()
+    assert_queue_empty(redis_client)
+
+
 def test_heartbeat_is_present_while_running_and_removed_on_stop(start_worker, redis_client):
     worker = start_worker()
     beat = protocol.EngineHeartbeat.decode(redis_client.get(protocol.engine_key("engine-a")))

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import protocol
+
+
+def _request() -> protocol.EngineRequest:
+    return protocol.EngineRequest(
+        request_id="r1", model="tiny", prompt_token_ids=[1, 2], tenant_id="t1",
+        sampling=protocol.SamplingSpec(max_tokens=3, stop=["\n"]), deadline=1e9)
+
+
+def _decode_with(**changes) -> protocol.EngineRequest:
+    raw = json.loads(_request().encode()["data"])
+    for name, value in changes.items():
+        if name in ("stop", "temperature", "max_tokens"):
+            raw["sampling"][name] = value
+        else:
+            raw[name] = value
+    return protocol.EngineRequest.decode({b"data": json.dumps(raw).encode()})
+
+
+def test_an_encoded_request_decodes_to_itself():
+    request = _request()
+    assert protocol.EngineRequest.decode(request.encode()) == request
+
+
+def test_whole_numbers_are_taken_for_floats():
+    assert _decode_with(temperature=1, deadline=2).sampling.temperature == 1
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(stop=None), "sampling.stop must be an array, not null"),
+    (dict(tenant_id=None), "request.tenant_id must be a string, not null"),
+    (dict(max_tokens=True), "sampling.max_tokens must be an integer, not a boolean"),
+    (dict(deadline="soon"), "request.deadline must be a number or null"),
+    (dict(sampling=[1]), "sampling must be a JSON object"),
+    (dict(surprise=1), "unknown fields: surprise"),
+])
+def test_a_mistyped_field_is_a_value_error_naming_it(changes, message):
+    with pytest.raises(ValueError, match=message):
+        _decode_with(**changes)
+
+
+def test_a_missing_field_is_a_value_error_naming_it():
+    raw = json.loads(_request().encode()["data"])
+    del raw["tenant_id"]
+    with pytest.raises(ValueError, match="lacks tenant_id"):
+        protocol.EngineRequest.decode({"data": json.dumps(raw)})
