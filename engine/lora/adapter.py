@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import regex
 import torch
 from safetensors import safe_open
 
@@ -92,6 +93,8 @@ def check_config(config: dict[str, Any], *, max_rank: int) -> None:
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise AdapterError(f"r must be a positive integer, got {r!r}")
+    _check_pattern(config, "rank_pattern", kind=int)
+    _check_pattern(config, "alpha_pattern", kind=int | float)
     ranks = [r, *(config.get("rank_pattern") or {}).values()]
     if max(ranks) > max_rank:
         raise AdapterError(f"rank {max(ranks)} is above this deployment's maximum of {max_rank}")
@@ -109,11 +112,44 @@ def check_config(config: dict[str, Any], *, max_rank: int) -> None:
                                f"(supported: {', '.join(TARGETS)})")
 
 
+# A tenant's patterns are regular expressions run by the validation worker: bounded in
+# number and length, and each match given a time limit, so no pattern can hang it.
+_PATTERN_ENTRIES = 512
+_PATTERN_KEY_CHARS = 256
+_PATTERN_MATCH_S = 0.05
+
+
+def _check_pattern(config: dict[str, Any], field: str, *, kind: Any) -> None:
+    pattern = config.get(field)
+    if pattern is None:
+        return
+    if not isinstance(pattern, dict):
+        raise AdapterError(f"{field} must be an object of module patterns to values")
+    if len(pattern) > _PATTERN_ENTRIES:
+        raise AdapterError(f"{field} has {len(pattern)} entries; at most {_PATTERN_ENTRIES}")
+    for key, value in pattern.items():
+        if len(key) > _PATTERN_KEY_CHARS:
+            raise AdapterError(f"a {field} key is longer than {_PATTERN_KEY_CHARS} characters")
+        if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+            raise AdapterError(f"{field}[{key!r}] must be a positive number, got {value!r}")
+        try:
+            regex.compile(rf"(.*\.)?{key}")
+        except regex.error as exc:
+            raise AdapterError(f"{field} key {key!r} is not a valid pattern: {exc}") from None
+
+
 def _pattern_value(pattern: dict[str, Any], name: str, default: Any) -> Any:
-    """PEFT's rank_pattern/alpha_pattern: the first key that is a suffix of the module name."""
+    """PEFT's rank_pattern/alpha_pattern: the first key that is a suffix of the module name,
+    or a regular expression matching it."""
     for key, value in (pattern or {}).items():
-        if name == key or name.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", name):
+        if name == key or name.endswith("." + key):
             return value
+        try:
+            if regex.fullmatch(rf"(.*\.)?{key}", name, timeout=_PATTERN_MATCH_S):
+                return value
+        except TimeoutError:
+            raise AdapterError(f"pattern {key!r} takes too long to match module names; use "
+                               "plain module names") from None
     return default
 
 

@@ -282,6 +282,13 @@ def _variant(folder: Path, tmp_path: Path, *, config: dict | None = None,
      "without its other half"),
     (dict(tensors=lambda w: {k: v * float("nan") if "k_proj.lora_B" in k else v
                              for k, v in w.items()}), "NaN"),
+    (dict(config={"rank_pattern": [8]}), "rank_pattern must be an object"),
+    (dict(config={"alpha_pattern": {"q_proj": "sixteen"}}), "must be a positive number"),
+    (dict(config={"alpha_pattern": {"q_proj(": 16}}), "not a valid pattern"),
+    (dict(config={"alpha_pattern": {"x" * 300: 16}}), "longer than"),
+    # Nested quantifiers that backtrack exponentially on a module name: the match is cut
+    # off and the adapter refused, the worker is not held.
+    (dict(config={"alpha_pattern": {"((?:[a-z]|[a-z._0-9])*)*[.]{5}": 16}}), "too long to match"),
 ])
 def test_the_loader_refuses_what_it_cannot_serve(tiny_model_dir, adapters, tmp_path, change,
                                                  message):
