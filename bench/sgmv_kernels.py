@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.workload import write_result  # noqa: E402
 from engine.kernels.sgmv import Segments, sgmv_expand_reference, sgmv_shrink_reference  # noqa: E402
+from engine.lora.manager import CpuPlan, apply_batched  # noqa: E402
 
 LAYOUTS = {  # name -> row slots (-1: base model)
     "decode 64 rows, 1 adapter": [0] * 64,
@@ -85,6 +86,18 @@ def main() -> None:
                 da, db = dense[slot]
                 y[start:start + length].addmm_(x[start:start + length] @ da.T, db)
 
+        # The engine's batched CPU path, with its slot stack built once (the engine keeps
+        # it for as long as the step's set of slots lasts).
+        plan = CpuPlan.of(seg)
+        if plan.gather is not None:
+            a_stack = torch.stack([dense[slot][0].T for slot in plan.slots])
+            b_stack = torch.stack([dense[slot][1] for slot in plan.slots])
+
+        def engine_cpu_batched():
+            if plan.gather is None:
+                return engine_cpu()  # the engine runs such a step per segment
+            apply_batched(x, y, plan, a_stack, b_stack)
+
         def reference():
             buf = torch.empty(len(row_slots), slices * r, device=device)
             sgmv_shrink_reference(x, a, buf, seg, ranks, r)
@@ -102,7 +115,8 @@ def main() -> None:
             stacked = stacked_dense[sl]  # [n, slices*r, out]
             y.index_add_(0, adapter_rows, torch.bmm(t.transpose(1, 2), stacked).squeeze(1))
 
-        impls = {"engine_cpu": engine_cpu, "sgmv_reference": reference,
+        impls = {"engine_cpu": engine_cpu, "engine_cpu_batched": engine_cpu_batched,
+                 "sgmv_reference": reference,
                  "per_adapter_loop": per_adapter, "gather_bmm": gather_bmm}
         if device == "cuda":
             from engine.kernels.sgmv import sgmv_expand, sgmv_shrink

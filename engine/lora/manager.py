@@ -9,10 +9,16 @@ with one SGMV shrink and one expand (Triton, on CUDA).
 On CPU the manager keeps a second, compact copy of each slot: ``A [slices * rank, in]``
 at the adapter's own rank and ``B`` as one block-diagonal ``[slices * rank, out]`` with
 the scalings folded in, so each segment costs two matmuls whatever the slice count.
-That is the engine's CPU path; the SGMV references stay the kernels' oracle.
+With several segments of similar length (a decode step over a few adapters), the step
+instead pads the segments to one length and runs two batched matmuls over them, with
+the slots' compact weights stacked once per set of slots and reused while the set
+lasts: the cost no longer grows with one small matmul per segment. That is the engine's
+CPU path; the SGMV references stay the kernels' oracle.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +50,78 @@ class _Stack:
         self.scales = torch.zeros(slots, len(modules), dtype=torch.float32, device=device)
         # The CPU path's compact copies, per slot (see the module docstring).
         self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
+        # The compact copies of a tuple of slots stacked for batched matmuls:
+        # (A [n, in, R], B [n, R, out]) with R the largest slices * rank among them.
+        self.stacked: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def stacked_for(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        found = self.stacked.get(slots)
+        if found is None:
+            if len(self.stacked) >= _STACKS_KEPT:
+                self.stacked.pop(next(iter(self.stacked)))
+            width = max(self.dense[s][0].shape[0] for s in slots)
+            a0, b0 = self.dense[slots[0]]
+            a = torch.zeros(len(slots), a0.shape[1], width, dtype=a0.dtype, device=a0.device)
+            b = torch.zeros(len(slots), width, b0.shape[1], dtype=b0.dtype, device=b0.device)
+            for i, slot in enumerate(slots):
+                da, db = self.dense[slot]
+                a[i, :, :da.shape[0]] = da.T
+                b[i, :db.shape[0]] = db
+            found = self.stacked[slots] = (a, b)
+        return found
+
+
+# Sets of slots whose stacked weights a projection keeps (a decode batch keeps one set
+# for many steps; a few cover the sets that alternate as requests come and go).
+_STACKS_KEPT = 4
+# The batched CPU path runs when a step has at least this many segments and padding
+# them to the longest adds at most as many rows again.
+_BATCH_FROM_SEGMENTS = 3
+
+
+@dataclass(slots=True)
+class CpuPlan:
+    """How one step's segments run on the CPU path, worked out once for all layers."""
+
+    segments: list[tuple[int, int, int]]  # (start, length, slot)
+    slots: tuple[int, ...] = ()  # batched: the segments' slots, in order
+    length: int = 0  # batched: rows per padded segment
+    gather: torch.Tensor | None = None  # [segments * length] rows of x (pads repeat a row)
+    rows: torch.Tensor | None = None  # the real rows among them, where results are added
+    real: torch.Tensor | None = None  # positions of the real rows in the padded layout
+
+    @classmethod
+    def of(cls, seg: Segments) -> CpuPlan:
+        segments = seg.as_list()
+        plan = cls(segments)
+        if len(segments) < _BATCH_FROM_SEGMENTS:
+            return plan
+        length = max(n for _, n, _ in segments)
+        total = sum(n for _, n, _ in segments)
+        if length * len(segments) > 2 * total:
+            return plan  # one long prompt chunk among short rows: padding would dominate
+        gather, real = [], []
+        for i, (start, n, _) in enumerate(segments):
+            gather += list(range(start, start + n)) + [start] * (length - n)
+            real += range(i * length, i * length + n)
+        plan.slots = tuple(slot for _, _, slot in segments)
+        plan.length = length
+        plan.gather = torch.tensor(gather, device=seg.starts.device)
+        plan.rows = plan.gather[torch.tensor(real, device=seg.starts.device)]
+        plan.real = None if len(real) == len(gather) else torch.tensor(real,
+                                                                      device=seg.starts.device)
+        return plan
+
+
+def apply_batched(x: torch.Tensor, y: torch.Tensor, plan: CpuPlan, a: torch.Tensor,
+                  b: torch.Tensor) -> None:
+    """y += the LoRA term of a batched plan's rows; a [n, in, R] and b [n, R, out] are the
+    plan's slots' compact weights, stacked."""
+    padded = x.index_select(0, plan.gather).view(len(plan.slots), plan.length, -1)
+    out = torch.bmm(torch.bmm(padded, a), b).view(-1, b.shape[2])
+    if plan.real is not None:
+        out = out.index_select(0, plan.real)
+    y.index_add_(0, plan.rows, out)
 
 
 class LoRAManager:
@@ -68,6 +146,8 @@ class LoRAManager:
         r = self.max_rank
         for layer in self.stacks:
             for stack in layer.values():
+                # Stacks holding this slot's old weights are dropped (all: few, and cheap).
+                stack.stacked.clear()
                 stack.a[slot].zero_()
                 stack.b[slot].zero_()
                 stack.scales[slot].zero_()
@@ -96,14 +176,18 @@ class LoRAManager:
         self.slot_hash[slot] = adapter.adapter_hash
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor,
-              seg: Segments) -> None:
+              seg: Segments, plan: CpuPlan | None = None) -> None:
         """y [tokens, out] += the LoRA term of x [tokens, in] for every adapter row."""
         stack = self.stacks[layer][proj]
         if not self.use_triton:
-            for start, length, slot in seg.as_list():
-                a, b = stack.dense[slot]
-                rows = slice(start, start + length)
-                y[rows].addmm_(x[rows] @ a.T, b)  # [n, slices * rank] @ [.., out]
+            plan = plan or CpuPlan.of(seg)
+            if plan.gather is None:
+                for start, length, slot in plan.segments:
+                    a, b = stack.dense[slot]
+                    rows = slice(start, start + length)
+                    y[rows].addmm_(x[rows] @ a.T, b)  # [n, slices * rank] @ [.., out]
+                return
+            apply_batched(x, y, plan, *stack.stacked_for(plan.slots))
             return
         buf = torch.empty(x.shape[0], stack.a.shape[1], dtype=torch.float32, device=x.device)
         shrink, expand = (sgmv_shrink, sgmv_expand) if self.use_triton \
@@ -118,7 +202,8 @@ class LoRABatch:
     def __init__(self, manager: LoRAManager, segments: Segments) -> None:
         self.manager = manager
         self.segments = segments
+        self.plan = None if manager.use_triton else CpuPlan.of(segments)
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.manager.apply(layer, proj, x, y, self.segments)
+        self.manager.apply(layer, proj, x, y, self.segments, self.plan)
         return y
