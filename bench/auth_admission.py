@@ -71,21 +71,18 @@ async def main_async(args: argparse.Namespace) -> dict:
     client = async_client()
     lookup = sync_to_async(key_state_by_digest)
 
-    async def cached_path() -> None:
-        principal = await authenticate(header)
+    async def admitted(principal) -> None:
         await admission.precheck(client, principal=principal)
         granted = await admission.admit(client, principal=principal,
                                         request_id=uuid.uuid4().hex, prompt_tokens=100,
-                                        max_tokens=100, lease_s=60)
+                                        max_tokens=100, lease_s=60, spend_checked=True)
         await admission.settle(client, granted, used_tokens=150)
 
+    async def cached_path() -> None:
+        await admitted(await authenticate(header))
+
     async def uncached_path() -> None:
-        principal = await lookup(digest=keys.digest(plaintext))
-        await admission.precheck(client, principal=principal)
-        granted = await admission.admit(client, principal=principal,
-                                        request_id=uuid.uuid4().hex, prompt_tokens=100,
-                                        max_tokens=100, lease_s=60)
-        await admission.settle(client, granted, used_tokens=150)
+        await admitted(await lookup(digest=keys.digest(plaintext)))
 
     async def auth_only() -> None:
         await authenticate(header)

@@ -173,11 +173,14 @@ async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
 
 
 async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str,
-                prompt_tokens: int, max_tokens: int, lease_s: float) -> Admission:
+                prompt_tokens: int, max_tokens: int, lease_s: float,
+                spend_checked: bool = False) -> Admission:
     """Takes the request's share of every limit or none; raises RateLimited/QuotaExceeded
-    (429, with Retry-After and the x-ratelimit-* headers) when a limit is reached."""
+    (429, with Retry-After and the x-ratelimit-* headers) when a limit is reached.
+    `spend_checked`: the precheck just read the spend cap; it is not read again."""
     cost = prompt_tokens + max_tokens
-    await spend_cap_check(client, principal)
+    if not spend_checked:
+        await spend_cap_check(client, principal)
     month, month_reset_ms = month_window()
     tenant_keys, key_keys = _level_keys(principal, month)
     keys = [*tenant_keys, *key_keys, f"atrium:apikey-used:{principal.api_key_id}"]

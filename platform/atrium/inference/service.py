@@ -213,7 +213,8 @@ async def admit(prepared: Prepared) -> quota.Admission:
     admission = await quota.admit(
         async_client(), principal=prepared.principal, request_id=request.request_id,
         prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
-        lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S)
+        lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S,
+        spend_checked=True)  # by precheck(), which every caller runs first
     if admission.touch:
         touch_later(prepared.principal)
     return admission
