@@ -368,9 +368,11 @@ def _web_process(port: int, model_dir) -> subprocess.Popen:
     from django.db import connection
 
     db = connection.settings_dict
+    # The test database, committed to (transactional_db): PostgreSQL, or the SQLite file.
+    url = (f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+           if connection.vendor == "postgresql" else f"sqlite:///{db['NAME']}")
     env = {**os.environ, "REDIS_URL": settings.REDIS_URL, "ATRIUM_MODEL": str(model_dir),
-           "ATRIUM_MODEL_NAME": "tiny-llama",
-           "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"}
+           "ATRIUM_MODEL_NAME": "tiny-llama", "DATABASE_URL": url}
     return subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "atrium.asgi:application", "--port", str(port),
          "--log-level", "warning", "--lifespan", "off"], env=env)
@@ -378,10 +380,6 @@ def _web_process(port: int, model_dir) -> subprocess.Popen:
 
 def test_web_processes_share_one_set_of_limits(transactional_db, served_model, tiny_model_path,
                                                redis_client):
-    from django.db import connection
-
-    if connection.vendor != "postgresql":
-        pytest.skip("the web processes need a database they can share: PostgreSQL")
     caller = make_caller(requests_per_minute=10)
     ports = [_free_port(), _free_port()]
     servers = [_web_process(port, tiny_model_path) for port in ports]
