@@ -14,6 +14,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from atrium.celery import REDIS_SCHEMES, celery_redis_url
+
 BASE_DIR = Path(__file__).resolve().parent
 ENVIRONMENT = os.environ.get("ATRIUM_ENV", "development")
 PRODUCTION = ENVIRONMENT == "production"
@@ -52,6 +54,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "drf_spectacular",
+    "atrium",  # start-up checks (atrium/apps.py)
     "tenants",
     "adapters",
     "billing",
@@ -113,6 +116,9 @@ if not REDIS_URL and not PRODUCTION and _embedded.exists():
 if not REDIS_URL and PRODUCTION:
     raise ImproperlyConfigured("REDIS_URL is required when ATRIUM_ENV=production")
 REDIS_URL = REDIS_URL or "redis://127.0.0.1:6379/0"
+if not REDIS_URL.startswith(REDIS_SCHEMES):
+    raise ImproperlyConfigured(
+        f"REDIS_URL must start with one of {', '.join(REDIS_SCHEMES)}; got {REDIS_URL!r}")
 
 # The served model: a Hugging Face layout directory. Empty means the demo model.
 ATRIUM_MODEL = os.environ.get("ATRIUM_MODEL", "")
@@ -185,11 +191,12 @@ ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
 STORAGES["billing-exports"] = {"BACKEND": "django.core.files.storage.FileSystemStorage",
                                "OPTIONS": {"location": str(ATRIUM_EXPORT_DIR)}}
 
-# kombu spells a Redis unix socket redis+socket:///path
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
-    "redis+socket://" + REDIS_URL.removeprefix("unix://").split("?")[0]
-    if REDIS_URL.startswith("unix://") else REDIS_URL)
-CELERY_RESULT_BACKEND = None
+# Celery's broker and result backend are this Redis and nothing else: no CELERY_*
+# variable overrides it, and atrium.apps refuses to start a process in which Celery's
+# configuration names another (Celery's built-in default is amqp://localhost).
+CELERY_BROKER_URL = celery_redis_url(REDIS_URL)
+CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+CELERY_TASK_IGNORE_RESULT = True  # tasks report through the database, never a result
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
