@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make up PORT=9000` (or ATRIUM_PORT=9000) serves on another port.
 up: $(STAMP)
-	$(BIN)/atrium up
+	$(BIN)/atrium up $(if $(PORT),--port $(PORT))
 
 test: $(STAMP)
 	$(BIN)/ruff check .

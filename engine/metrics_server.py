@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def serve_metrics(latest: Callable[[], dict[str, Any] | None], *, port: int,
-                  labels: dict[str, str], host: str = "0.0.0.0") -> ThreadingHTTPServer:
+                  labels: dict[str, str], host: str = "127.0.0.1") -> ThreadingHTTPServer:
     """Serves ``latest()`` (the engine's last heartbeat snapshot) from a daemon thread."""
 
     class Handler(BaseHTTPRequestHandler):

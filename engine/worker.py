@@ -299,6 +299,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep this adapter in a slot from start-up (repeatable)")
     parser.add_argument("--metrics-port", type=int, default=int(env("ATRIUM_METRICS_PORT", "0")),
                         help="serve Prometheus metrics on this port (0: off)")
+    parser.add_argument("--metrics-host", default=env("ATRIUM_METRICS_HOST", "127.0.0.1"),
+                        help="address the metrics endpoint listens on (default: loopback "
+                             "only; 0.0.0.0 for a scraper on another host)")
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
@@ -343,7 +346,8 @@ def default_engine_factory(model_dir: Path) -> EngineCore:
 def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
                engine_id: str | None = None, stop: threading.Event | None = None,
                engine_factory: EngineFactory | None = None,
-               config: WorkerConfig | None = None, metrics_port: int = 0) -> None:
+               config: WorkerConfig | None = None, metrics_port: int = 0,
+               metrics_host: str = "127.0.0.1") -> None:
     """Serves ``model_name`` from ``model_dir`` until ``stop`` is set."""
     engine_id = engine_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     engine = (engine_factory or default_engine_factory)(Path(model_dir))
@@ -354,7 +358,8 @@ def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
     if metrics_port:
         from engine.metrics_server import serve_metrics
 
-        server = serve_metrics(lambda: worker.last_snapshot, port=metrics_port,
+        server = serve_metrics(lambda: worker.last_snapshot, host=metrics_host,
+                               port=metrics_port,
                                labels={"engine_id": engine_id, "model": model_name})
     try:
         worker.run(stop or threading.Event())
@@ -388,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     run_worker(redis_url=args.redis_url, model_dir=args.model_dir,
                model_name=args.model_name or args.model_dir.name, engine_id=args.engine_id,
                stop=stop, engine_factory=engine_factory_from_args(args),
-               metrics_port=args.metrics_port)
+               metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 if __name__ == "__main__":
