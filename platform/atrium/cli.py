@@ -314,16 +314,25 @@ def cmd_up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     _refuse_busy_port(args.host, args.port, hint="make up PORT={port}")
     home = _home()
-    redis_server = None
-    if not os.environ.get("REDIS_URL"):
-        from atrium.embedded_redis import EmbeddedRedis
+    if os.environ.get("REDIS_URL"):
+        _up(args, home)
+        return
+    from atrium.embedded_redis import EmbeddedRedis
 
-        redis_server = EmbeddedRedis(home / "redis")
-        os.environ["REDIS_URL"] = redis_server.start()
+    redis_server = EmbeddedRedis(home / "redis")
+    os.environ["REDIS_URL"] = redis_server.start()
+    try:
         # Other `atrium` commands on this ATRIUM_HOME (revoke-key from another terminal)
         # find this Redis through the file while it runs (settings.py).
         (home / "redis.url").write_text(redis_server.url)
         print(f"embedded Redis at {redis_server.url}")
+        _up(args, home)
+    finally:  # whatever stopped the rest, a start-up error included
+        (home / "redis.url").unlink(missing_ok=True)
+        redis_server.stop()
+
+
+def _up(args: argparse.Namespace, home: Path) -> None:
     demo_model = not os.environ.get("ATRIUM_MODEL")
     if demo_model:
         from engine.demo_model import demo_model_dir, ensure_demo_model
@@ -356,7 +365,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         print(_banner(base, model_name, api_key, demo_model=demo_model), flush=True)
         while all(c.poll() is None for c in children):
             time.sleep(0.5)
-        print("atrium: a process exited; stopping the rest", file=sys.stderr)
+        raise SystemExit("atrium: a process exited; stopped the rest")
     except KeyboardInterrupt:
         pass
     finally:
@@ -368,9 +377,6 @@ def cmd_up(args: argparse.Namespace) -> None:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
-        if redis_server is not None:
-            (home / "redis.url").unlink(missing_ok=True)
-            redis_server.stop()
 
 
 def _banner(base: str, model: str, key: str | None, *, demo_model: bool) -> str:
@@ -385,9 +391,9 @@ def _banner(base: str, model: str, key: str | None, *, demo_model: bool) -> str:
     about_model = ""
     if demo_model:
         about_model = f"""
-'{model}' is a tiny model built on this machine from random weights: it answers word
-salad, which is enough to try every feature. To serve a real Llama-family checkpoint in
-Hugging Face layout: ATRIUM_MODEL=/path/to/model make up
+'{model}' is a tiny model built on this machine from random weights, so it answers
+word salad: enough to try every feature, not to judge answers. To serve a real
+Llama-family checkpoint in Hugging Face layout: ATRIUM_MODEL=/path/to/model make up
 """
     return f"""
 Atrium is up at {base}  (Ctrl-C stops everything)
