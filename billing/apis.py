@@ -57,7 +57,9 @@ def _query(request: Request, lists: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def _amount(value: Decimal, currency: str) -> dict[str, str]:
-    return {"value": str(value), "currency": currency.lower()}
+    """Money as the usage API shows it; the currency is its ISO 4217 code (``USD``), as
+    in prices, invoices, spend and exports."""
+    return {"value": str(value), "currency": currency}
 
 
 # --- the price book ------------------------------------------------------------------------
@@ -157,7 +159,7 @@ class UsageResultSerializer(serializers.Serializer):
     input_cached_tokens = serializers.IntegerField(source="cached_tokens")
     output_tokens = serializers.IntegerField()
     amount = serializers.DictField(child=serializers.CharField(),
-                                   help_text='{"value": "<decimal>", "currency": "usd"}')
+                                   help_text='{"value": "<decimal>", "currency": "USD"}')
     model = serializers.CharField(allow_null=True, help_text="set when grouped by model")
     adapter = serializers.CharField(allow_null=True, help_text="set when grouped by adapter")
     api_key_id = serializers.IntegerField(allow_null=True,

@@ -143,7 +143,7 @@ def meter_event(row: tuple, tenant_slug: str) -> dict[str, Any]:
             "input_tokens": str(r["prompt_tokens"] - r["cached_tokens"]),
             "cached_input_tokens": str(r["cached_tokens"]),
             "output_tokens": str(r["completion_tokens"]),
-            "cost": str(r["cost"]), "currency": r["currency"].lower(),
+            "cost": str(r["cost"]), "currency": r["currency"],
         },
     }
 

@@ -3,6 +3,9 @@ spend and its cap, invoices; bad input is a 400 in the OpenAI shape and changes 
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -60,7 +63,7 @@ def test_daily_usage_has_a_bucket_per_day_even_when_empty(owner):
     [day0] = first["results"]
     assert day0 == {"object": "usage.result", "num_model_requests": 3, "input_tokens": 3000,
                     "input_cached_tokens": 600, "output_tokens": 150,
-                    "amount": {"value": "0.004000", "currency": "usd"},
+                    "amount": {"value": "0.004000", "currency": "USD"},
                     "model": None, "adapter": None, "api_key_id": None}
     assert third["results"][0]["num_model_requests"] == 1
 
@@ -248,6 +251,33 @@ def test_invoices_list_and_detail_with_lines(acme, owner):
     final = owner.get(f"/api/v1/tenants/acme/invoices/{march['id']}").json()
     assert final["status"] == "finalized" and final["lines"] == detail["lines"]
     assert owner.get("/api/v1/tenants/acme/invoices/999999").status_code == 404
+
+
+def test_money_is_in_the_upper_case_iso_code_everywhere(acme, owner, export_dir):
+    usage = _usage(owner, start_time=START, end_time=START + DAY)
+    assert {r["amount"]["currency"] for b in usage["data"] for r in b["results"]} == {"USD"}
+    assert owner.get("/api/v1/tenants/acme/spend").json()["currency"] == "USD"
+    assert {i["currency"] for i in owner.get("/api/v1/tenants/acme/invoices").json()["data"]
+            } == {"USD"}
+    assert {p["currency"] for p in owner.get("/api/v1/prices").json()["data"]} == {"USD"}
+    files = {}
+    for kind, fmt in (("ledger", "csv"), ("ledger", "jsonl"), ("invoices", "csv"),
+                      ("invoices", "jsonl"), ("meter_events", "jsonl")):
+        r = owner.post("/api/v1/tenants/acme/exports", {
+            "kind": kind, "format": fmt, "start": "2026-03-01T00:00:00Z",
+            "end": "2026-04-01T00:00:00Z"}, format="json")
+        assert r.status_code == 202, r.content
+        services.export_build(export_id=r.json()["id"])  # the Celery task's work
+        files[kind, fmt] = b"".join(owner.get(
+            f"/api/v1/tenants/acme/exports/{r.json()['id']}/content").streaming_content
+        ).decode()
+    for kind in ("ledger", "invoices"):
+        rows = list(csv.DictReader(io.StringIO(files[kind, "csv"])))
+        assert rows and {row["currency"] for row in rows} == {"USD"}
+        lines = [json.loads(x) for x in files[kind, "jsonl"].splitlines()]
+        assert lines and {x["currency"] for x in lines} == {"USD"}
+    meters = [json.loads(x) for x in files["meter_events", "jsonl"].splitlines()]
+    assert meters and {m["payload"]["currency"] for m in meters} == {"USD"}
 
 
 def test_openapi_schema_lists_the_billing_operations(client):
