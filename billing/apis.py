@@ -30,6 +30,7 @@ from atrium.errors import ApiError, Conflict, InvalidRequest
 from billing import selectors, services
 from billing.exports import CONTENT_TYPES, export_storage
 from billing.models import Export, Invoice
+from billing.money import to_micro
 from tenants import access
 from tenants.apis.base import Api, StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
@@ -262,6 +263,42 @@ class UsageListApi(TenantApi):
         has_more = page_end < end
         return Response({"object": "page", "data": data, "has_more": has_more,
                          "next_page": str(page_end) if has_more else None})
+
+
+@extend_schema_serializer(component_name="UsageRecord")
+class UsageRecordSerializer(serializers.Serializer):
+    object = serializers.CharField(default="usage.record")
+    request_id = serializers.CharField(help_text="the completion's id, as the client got it")
+    occurred_at = serializers.IntegerField(help_text="unix seconds: when the request ended")
+    billing_period = serializers.DateField(help_text="the month whose invoice bills it")
+    model = serializers.CharField()
+    adapter = serializers.CharField(help_text="empty: the base model")
+    api_key_id = serializers.IntegerField(allow_null=True)
+    api_key_prefix = serializers.CharField()
+    finish_reason = serializers.CharField()
+    input_tokens = serializers.IntegerField(help_text="prompt tokens, cached ones included")
+    input_cached_tokens = serializers.IntegerField()
+    output_tokens = serializers.IntegerField()
+    amount = serializers.DictField(child=serializers.CharField(),
+                                   help_text='{"value": "<decimal>", "currency": "USD"}')
+
+
+class UsageRecordDetailApi(TenantApi):
+    @extend_schema(tags=["usage"], summary="One request's usage and charge, by the id of "
+                   "its response", responses=UsageRecordSerializer)
+    def get(self, request, slug: str, request_id: str) -> Response:
+        tenant_access = self.access(slug)
+        record = selectors.usage_record_get(tenant=tenant_access.tenant, request_id=request_id)
+        access.authorize(tenant_access, "usage.read")
+        return Response({
+            "object": "usage.record", "request_id": record.request_id,
+            "occurred_at": int(record.occurred_at.timestamp()),
+            "billing_period": record.billing_period, "model": record.model,
+            "adapter": record.adapter, "api_key_id": record.api_key_id,
+            "api_key_prefix": record.api_key_prefix, "finish_reason": record.finish_reason,
+            "input_tokens": record.prompt_tokens, "input_cached_tokens": record.cached_tokens,
+            "output_tokens": record.completion_tokens,
+            "amount": _amount(to_micro(record.cost), record.currency)})
 
 
 # --- spend and its cap ---------------------------------------------------------------------

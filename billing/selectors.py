@@ -128,6 +128,30 @@ def usage_buckets(*, tenant, query: UsageQuery) -> list[UsageBucket]:
     return list(buckets.values())
 
 
+_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def usage_record_get(*, tenant, request_id: str) -> UsageRecord:
+    """One request's ledger row, by the id its client got (``chatcmpl-…``, ``cmpl-…``).
+
+    Rows written before request ids carried their prefix hold its hex part alone, and are
+    found by the whole id too (or by the hex part, as those clients may have kept it).
+    """
+    forms = [request_id]
+    for prefix in _ID_PREFIXES:
+        if request_id.startswith(prefix):
+            forms.append(request_id.removeprefix(prefix))
+            break
+    else:
+        forms.extend(prefix + request_id for prefix in _ID_PREFIXES)
+    record = (UsageRecord.objects.for_tenant(tenant).filter(request_id__in=forms)
+              .order_by("id").first())
+    if record is None:
+        raise NotFound(f"no usage recorded for request '{request_id}' in tenant "
+                       f"'{tenant.slug}'")
+    return record
+
+
 # --- spend ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

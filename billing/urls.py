@@ -18,6 +18,8 @@ urlpatterns = [
     path("usage-dead-letters", endpoint(apis.UsageDeadLetterListApi),
          name="usage-dead-letters"),
     path(f"{TENANT}/usage", endpoint(apis.UsageListApi), name="usage"),
+    path(f"{TENANT}/usage/requests/<str:request_id>", endpoint(apis.UsageRecordDetailApi),
+         name="usage-record"),
     path(f"{TENANT}/spend", endpoint(apis.SpendDetailApi), name="spend"),
     path(f"{TENANT}/spend-cap", endpoint(apis.SpendCapUpdateApi), name="spend-cap"),
     path(f"{TENANT}/invoices", endpoint(apis.InvoiceListApi), name="invoices"),

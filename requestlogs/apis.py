@@ -26,7 +26,8 @@ TAGS = ["request logs"]
 class RequestLogSerializer(serializers.Serializer):
     id = serializers.IntegerField()
     object = serializers.SerializerMethodField()
-    request_id = serializers.SerializerMethodField(help_text="as the x-request-id header")
+    request_id = serializers.SerializerMethodField(
+        help_text="the completion's id, as the client got it (also its x-request-id)")
     created_at = serializers.DateTimeField()
     endpoint = serializers.ChoiceField(choices=["chat", "completion"])
     transport = serializers.ChoiceField(choices=["http", "websocket"])
@@ -50,7 +51,7 @@ class RequestLogSerializer(serializers.Serializer):
         return "request_log"
 
     def get_request_id(self, log: RequestLog) -> str:
-        return ("chatcmpl-" if log.endpoint == "chat" else "cmpl-") + log.request_id
+        return selectors.client_request_id(log)
 
 
 @extend_schema_serializer(component_name="RequestLogDetail")

@@ -14,8 +14,9 @@ from tenants.models import Tenant, TenantOwnedQuerySet
 
 
 class RequestLog(models.Model):
-    # The engine request id (the hex part of the x-request-id a client saw); unique, so a
-    # request is logged once however often its write is retried.
+    # The id the client saw (the completion's `id`, `x-request-id`: `chatcmpl-…`, `cmpl-…`),
+    # which is also the engine's request id and the ledger's; unique, so a request is
+    # logged once however often its write is retried.
     request_id = models.CharField(max_length=64, unique=True)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="request_logs")
     api_key_id = models.BigIntegerField(null=True, blank=True)

@@ -59,11 +59,30 @@ def request_log_list_all(*, filters: RequestLogFilter,
     return _filtered(logs, filters)
 
 
+_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def client_request_id(log: RequestLog) -> str:
+    """The id the client got. Logs store it whole; a row written by a web process older
+    than migration 0002 (during a rolling deploy) holds only its hex part."""
+    if log.request_id.startswith(_PREFIXES):
+        return log.request_id
+    return ("chatcmpl-" if log.endpoint == "chat" else "cmpl-") + log.request_id
+
+
+def _stored_forms(request_id: str) -> list[str]:
+    """Every form a request's id may be stored in: as given, and its hex part alone (logs
+    written before ids carried their prefix); a bare hex id also with either prefix."""
+    for prefix in _PREFIXES:
+        if request_id.startswith(prefix):
+            return [request_id, request_id.removeprefix(prefix)]
+    return [request_id, *(prefix + request_id for prefix in _PREFIXES)]
+
+
 def request_log_get(*, tenant: Tenant, request_id: str) -> RequestLog:
-    """By the id a client saw (``chatcmpl-…``, ``cmpl-…``) or the bare request id."""
-    bare = request_id.split("-", 1)[1] if request_id.startswith(("chatcmpl-", "cmpl-")) \
-        else request_id
-    found = RequestLog.objects.for_tenant(tenant).filter(request_id=bare).first()
+    """By the id the client got (``chatcmpl-…``, ``cmpl-…``), or by its hex part."""
+    found = (RequestLog.objects.for_tenant(tenant)
+             .filter(request_id__in=_stored_forms(request_id)).order_by("id").first())
     if found is None:
         raise NotFound(f"no request log '{request_id}' in tenant '{tenant.slug}'")
     return found

@@ -253,9 +253,30 @@ def test_invoices_list_and_detail_with_lines(acme, owner):
     assert owner.get("/api/v1/tenants/acme/invoices/999999").status_code == 404
 
 
+def test_one_requests_charge_is_found_by_the_id_its_client_got(acme, owner):
+    services.usage_records_ingest(events=[
+        event(acme, rid="chatcmpl-5f3c", at=T0 + timedelta(days=4), completion_tokens=7),
+        # Written before ids carried their prefix: the ledger holds the hex part alone.
+        event(acme, rid="0a1b2c", at=T0 + timedelta(days=4))])
+    r = owner.get("/api/v1/tenants/acme/usage/requests/chatcmpl-5f3c")
+    assert r.status_code == 200, r.content
+    assert r.json() == {
+        "object": "usage.record", "request_id": "chatcmpl-5f3c",
+        "occurred_at": START + 4 * DAY, "billing_period": "2026-03-01", "model": "m",
+        "adapter": "", "api_key_id": None, "api_key_prefix": "", "finish_reason": "",
+        "input_tokens": 1000, "input_cached_tokens": 200, "output_tokens": 7,
+        "amount": {"value": "0.000914", "currency": "USD"}}
+    assert owner.get("/api/v1/tenants/acme/usage/requests/cmpl-0a1b2c").json()[
+        "request_id"] == "0a1b2c"
+    for unknown in ("chatcmpl-0a1b", "cmpl-5f3c", "5f3c0"):
+        assert owner.get(f"/api/v1/tenants/acme/usage/requests/{unknown}").status_code == 404
+
+
 def test_money_is_in_the_upper_case_iso_code_everywhere(acme, owner, export_dir):
     usage = _usage(owner, start_time=START, end_time=START + DAY)
     assert {r["amount"]["currency"] for b in usage["data"] for r in b["results"]} == {"USD"}
+    assert owner.get("/api/v1/tenants/acme/usage/requests/d0-m").json()["amount"][
+        "currency"] == "USD"
     assert owner.get("/api/v1/tenants/acme/spend").json()["currency"] == "USD"
     assert {i["currency"] for i in owner.get("/api/v1/tenants/acme/invoices").json()["data"]
             } == {"USD"}
@@ -284,5 +305,6 @@ def test_openapi_schema_lists_the_billing_operations(client):
     spec = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
     operations = {op["operationId"] for path in spec["paths"].values() for op in path.values()
                   if isinstance(op, dict) and "operationId" in op}
-    assert {"usage_list", "spend_detail", "spend_cap_update", "invoice_list", "invoice_detail",
-            "export_create", "export_content", "price_create", "price_list"} <= operations
+    assert {"usage_list", "usage_record_detail", "spend_detail", "spend_cap_update",
+            "invoice_list", "invoice_detail", "export_create", "export_content",
+            "price_create", "price_list"} <= operations

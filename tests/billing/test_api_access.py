@@ -29,12 +29,13 @@ NOT_TENANT_OWNED = {
     "plan-spend-cap": "a plan's default cap: operators only",
     "usage-dead-letters": "reports the ledger refused, often of no known tenant: operators",
 }
-OBJECT_KWARGS = {"invoice_id", "export_id"}
+OBJECT_KWARGS = {"invoice_id", "export_id", "request_id"}
 MUTATING = {"post", "put", "patch", "delete"}
 # The action every tenant operation needs (tenants/access.py RULES): reads are guarded too,
 # since usage and money are not for every member or key.
 ACTION_OF = {
     ("usage", "get"): "usage.read",
+    ("usage-record", "get"): "usage.read",
     ("spend", "get"): "billing.read",
     ("spend-cap", "patch"): "spend_cap.update",
     ("invoices", "get"): "billing.read",
@@ -84,12 +85,15 @@ class World:
         self.owner_a = member_factory(self.a, Role.OWNER, email="owner@alpha.test")
         self.ids = {}
         for tenant in (self.a, self.b):
-            services.usage_records_ingest(events=[event(tenant), event(tenant)])
+            request_id = f"chatcmpl-{tenant.slug}"
+            services.usage_records_ingest(events=[event(tenant, rid=request_id),
+                                                  event(tenant)])
             export = services.export_create(tenant=tenant, actor=SYSTEM, kind="ledger",
                                             format="csv", start=T0, end=T0 + timedelta(days=31))
             services.export_build(export_id=export.pk)
             invoice = Invoice.objects.get(tenant=tenant, period_start=T0.date())
-            self.ids[tenant.slug] = {"invoice_id": invoice.pk, "export_id": export.pk}
+            self.ids[tenant.slug] = {"invoice_id": invoice.pk, "export_id": export.pk,
+                                     "request_id": request_id}
 
     def url(self, name: str, route: str, *, slug: str, ids_of: str) -> str:
         kwargs = {"slug": slug}
@@ -196,7 +200,7 @@ def test_every_operation_a_role_may_not_do_is_403_and_changes_nothing(world, rol
     assert refused >= 1
     assert allowed >= 1
     if role in (Role.VIEWER, Role.DEVELOPER):
-        assert allowed == 1  # usage only: no money, no exports
+        assert allowed == 2  # usage and one request's usage: no spend, invoices, exports
     after = _snapshot(world.a)
     assert after[2:] == before[2:]  # caps, ledger and audit never change this way
 

@@ -28,7 +28,7 @@ MANAGE_ROLES = {Role.OWNER, Role.ADMIN}
 
 
 def _log(tenant, **overrides) -> RequestLog:
-    values = dict(request_id=uuid.uuid4().hex, tenant_id=tenant.pk, endpoint="chat",
+    values = dict(request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant_id=tenant.pk, endpoint="chat",
                   transport="http", model="tiny-llama", status=200, finish_reason="stop",
                   prompt_tokens=5, completion_tokens=7)
     values.update(overrides)
@@ -175,7 +175,7 @@ def test_operators_see_every_tenant_and_nobody_else_does(world):
     everything = staff.get("/api/v1/request-logs").json()["data"]
     assert {e["tenant"] for e in everything} == {"alpha", "bravo"}
     only_b = staff.get("/api/v1/request-logs?tenant=bravo").json()["data"]
-    assert [e["request_id"].split("-", 1)[1] for e in only_b] == [world.ids["bravo"]["request_id"]]
+    assert [e["request_id"] for e in only_b] == [world.ids["bravo"]["request_id"]]
     _assert_error(staff.get("/api/v1/request-logs?tenant=nope"), 404)
     for client in (_session(world.owner_a),
                    _keyed(key_factory(world.a, scopes=["admin"]).plaintext)):
@@ -216,10 +216,37 @@ def test_logs_filter_by_time_model_adapter_key_and_status(world):
 def test_one_log_is_found_by_the_id_the_client_saw(world):
     client = _session(world.owner_a)
     rid = world.ids["alpha"]["request_id"]
-    for shown in (rid, f"chatcmpl-{rid}"):
+    for shown in (rid, rid.removeprefix("chatcmpl-")):
         body = client.get(f"/api/v1/tenants/alpha/request-logs/{shown}").json()
-        assert body["request_id"] == f"chatcmpl-{rid}"
+        assert body["request_id"] == rid
         assert body["prompt"] is None and body["completion"] is None
+    assert client.get(f"/api/v1/tenants/alpha/request-logs/cmpl-{rid[9:]}").status_code == 404
+
+
+def test_a_log_stored_under_the_hex_part_alone_shows_and_finds_the_clients_id(world):
+    # As a web process older than migration 0002 writes it during a rolling deploy.
+    legacy = _log(world.a, request_id="0a1b2c3d", endpoint="completion")
+    client = _session(world.owner_a)
+    for shown in ("cmpl-0a1b2c3d", "0a1b2c3d"):
+        body = client.get(f"/api/v1/tenants/alpha/request-logs/{shown}").json()
+        assert (body["id"], body["request_id"]) == (legacy.id, "cmpl-0a1b2c3d")
+
+
+def test_migration_0002_gives_older_logs_the_id_their_client_got(world):
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module(
+        "requestlogs.migrations.0002_request_ids_as_the_client_saw_them")
+    chat = _log(world.a, request_id="11aa", endpoint="chat")
+    completion = _log(world.a, request_id="22bb", endpoint="completion")
+    current = world.ids["alpha"]["request_id"]
+    migration.prefix_request_ids(apps, None)
+    migration.prefix_request_ids(apps, None)  # a second run changes nothing
+    assert RequestLog.objects.get(pk=chat.pk).request_id == "chatcmpl-11aa"
+    assert RequestLog.objects.get(pk=completion.pk).request_id == "cmpl-22bb"
+    assert RequestLog.objects.filter(request_id=current).count() == 1
 
 
 def test_bad_filters_are_400_in_the_openai_shape(world):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from atrium.errors import ApiError
+from atrium.inference.service import completion_id
 from requestlogs.facade import RequestLogEntry, request_log_record
 from tenants.facade import Principal
 
@@ -170,7 +170,8 @@ class Trace:
             sent_prompt = len(prepared.engine_request.prompt_token_ids)
         else:
             body = self.body if isinstance(self.body, dict) else {}
-            request_id, adapter, sent_prompt = uuid.uuid4().hex, "", 0
+            # Refused before it was parsed: no id was sent back; one in the same shape.
+            request_id, adapter, sent_prompt = completion_id(self.kind), "", 0
             model = body.get("model") if isinstance(body.get("model"), str) else ""
             stream = self.transport == "websocket" or body.get("stream") is True
         if usage:

@@ -51,16 +51,26 @@ Kind = Literal["chat", "completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
+def completion_id(kind: Kind) -> str:
+    """A new request's one id: the completion's ``id`` (and ``x-request-id``) the client
+    sees, the engine's request id, and the key of its ledger row and request log."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
 @dataclass(slots=True)
 class Prepared:
     kind: Kind
-    response_id: str
     created: int
     model: ServedModel
     adapter: ServedAdapter | None
     params: p.GenerationParams
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
+
+    @property
+    def response_id(self) -> str:
+        """The id the client sees: the same string the engine, the ledger and the log use."""
+        return self.engine_request.request_id
 
     @property
     def model_id(self) -> str:
@@ -179,9 +189,8 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
             f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).",
             param=field)
     created = int(time.time())
-    request_id = uuid.uuid4().hex
     engine_request = protocol.EngineRequest(
-        request_id=request_id,
+        request_id=completion_id(kind),
         model=model.name,
         prompt_token_ids=prompt_ids,
         sampling=protocol.SamplingSpec(
@@ -196,10 +205,8 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         priority=principal.priority,
         deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
     )
-    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    return Prepared(kind=kind, response_id=prefix + request_id, created=created, model=model,
-                    adapter=adapter, params=params, engine_request=engine_request,
-                    principal=principal)
+    return Prepared(kind=kind, created=created, model=model, adapter=adapter, params=params,
+                    engine_request=engine_request, principal=principal)
 
 
 async def precheck(principal: Principal) -> None:
