@@ -30,15 +30,16 @@ def slow_engine(served_model, tiny_model_path, redis_client):
     running.thread.join(timeout=30)
 
 
-def _engine_final_event(redis_client, request_id: str, timeout: float = 10) -> protocol.Event:
-    deadline = time.time() + timeout
+def _usage_report(redis_client, request_id: str) -> protocol.UsageReport:
+    """The engine's own account of a request it settled (its final event's usage)."""
+    deadline = time.time() + 10
     while time.time() < deadline:
-        for _, fields in redis_client.xrange(protocol.events_stream(request_id)):
-            event = protocol.Event.decode(fields)
-            if event.is_final:
-                return event
+        for _, fields in redis_client.xrange(protocol.USAGE_STREAM):
+            report = protocol.UsageReport.decode(fields)
+            if report.request_id == request_id:
+                return report
         time.sleep(0.05)
-    raise AssertionError("the engine never finished the request")
+    raise AssertionError(f"the engine never reported the usage of {request_id}")
 
 
 def test_client_disconnect_stops_the_engine_within_a_few_tokens(
@@ -56,9 +57,9 @@ def test_client_disconnect_stops_the_engine_within_a_few_tokens(
                 received += bool(delta.get("content"))
             if received >= 3:
                 break
-    final = _engine_final_event(redis_client, request_id)
-    assert final.data["finish_reason"] == protocol.FINISH_CANCELLED
-    generated = final.data["usage"]["completion_tokens"]
+    report = _usage_report(redis_client, request_id)
+    assert report.finish_reason == protocol.FINISH_CANCELLED
+    generated = report.usage["completion_tokens"]
     assert received <= generated <= received + 10, generated
 
 
@@ -95,9 +96,9 @@ def test_websocket_runs_two_requests_and_cancels_one(
     assert b_chunks_before_a_ended >= 2  # both generated at once, in one engine batch
     assert seen["a"][-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["object"] == "chat.completion.chunk" for c in seen["a"] + seen["b"])
-    final = _engine_final_event(redis_client, b_request_id)
-    assert final.data["finish_reason"] == protocol.FINISH_CANCELLED
-    assert final.data["usage"]["completion_tokens"] < 20
+    report = _usage_report(redis_client, b_request_id)
+    assert report.finish_reason == protocol.FINISH_CANCELLED
+    assert report.usage["completion_tokens"] < 20
 
 
 def test_websocket_refuses_a_bad_key_with_an_error(api_server, served_model):
@@ -208,3 +209,126 @@ def test_engine_killed_mid_request_does_not_leave_the_client_hanging(
         if engine.poll() is None:
             engine.kill()
         engine.wait()
+
+
+class _CountingEngine:
+    """The slow engine, tallying every token its steps generate, per request: the count
+    the engine itself made, independent of any report."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.generated: dict[str, int] = {}
+
+    def step(self):
+        outputs = self.inner.step()
+        for out in outputs:
+            if out is not None:
+                self.generated[out.request_id] = (self.generated.get(out.request_id, 0)
+                                                  + len(out.token_ids))
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def counting_engine(served_model, tiny_model_path, redis_client):
+    engines: list[_CountingEngine] = []
+
+    def factory(model_dir):
+        engines.append(_CountingEngine(slow_factory(0.03)(model_dir)))
+        return engines[-1]
+
+    running = start_engine(tiny_model_path, served_model, "counting-engine",
+                           engine_factory=factory)
+    yield engines[0]
+    running.stop.set()
+    running.thread.join(timeout=30)
+
+
+def _ledger_row(redis_client, request_id: str):
+    from billing.ingest import drain
+    from billing.models import UsageRecord
+
+    deadline = time.time() + 15
+    while True:
+        drain(redis_client)
+        row = UsageRecord.objects.filter(request_id=request_id).first()
+        if row is not None or time.time() > deadline:
+            assert row is not None, "the usage report never reached the ledger"
+            return row
+        time.sleep(0.1)
+
+
+def _cancel_over_websocket(api_server, key, body) -> tuple[str, int]:
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, additional_headers={"Authorization": f"Bearer {key}"},
+                 open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "request", "id": "c", "endpoint": "chat.completions",
+                            "body": body}))
+        delivered, response_id = 0, None
+        while True:
+            message = json.loads(ws.recv(timeout=30))
+            if message["type"] != "chunk":
+                break
+            response_id = message["data"]["id"]
+            delivered += bool(message["data"]["choices"][0]["delta"].get("content"))
+            if delivered == 3:
+                ws.send(json.dumps({"type": "cancel", "id": "c"}))
+    assert message["type"] == "cancelled"
+    return response_id, delivered
+
+
+def _cancel_and_hang_up_over_websocket(api_server, key, body) -> tuple[str, int]:
+    """A cancel, and the socket closed at once: the request's cleanup is cancelled twice."""
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, additional_headers={"Authorization": f"Bearer {key}"},
+                 open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "request", "id": "c", "endpoint": "chat.completions",
+                            "body": body}))
+        delivered = 0
+        while delivered < 3:
+            message = json.loads(ws.recv(timeout=30))
+            delivered += bool(message["data"]["choices"][0]["delta"].get("content"))
+        ws.send(json.dumps({"type": "cancel", "id": "c"}))
+    return message["data"]["id"], delivered
+
+
+def _disconnect_over_sse(api_server, key, body) -> tuple[str, int]:
+    delivered = 0
+    with httpx.stream("POST", f"{api_server}/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                delivered += bool(chunk["choices"][0]["delta"].get("content"))
+            if delivered == 3:
+                break
+    return chunk["id"], delivered
+
+
+@pytest.mark.parametrize("cancel", [_cancel_over_websocket, _cancel_and_hang_up_over_websocket,
+                                    _disconnect_over_sse],
+                         ids=["websocket cancel", "websocket cancel and close", "sse disconnect"])
+def test_a_request_cut_short_has_one_token_count_in_its_log_and_the_ledger(
+        api_server, tenant_key, served_model, counting_engine, redis_client, cancel):
+    from tests.requestlogs.conftest import wait_for_logs
+
+    response_id, delivered = cancel(api_server, tenant_key.key, {
+        "model": served_model, "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": "On and on"}]})
+    report = _usage_report(redis_client, response_id)
+    [log] = wait_for_logs(1)
+    ledger = _ledger_row(redis_client, response_id)
+    made = counting_engine.generated[response_id]
+    assert report.finish_reason == protocol.FINISH_CANCELLED and made >= delivered
+    assert (log.request_id, log.status) == (response_id, 499)
+    assert log.completion_tokens == ledger.completion_tokens == made
+    assert report.usage["completion_tokens"] == made
+    assert log.prompt_tokens == ledger.prompt_tokens == report.usage["prompt_tokens"] > 0

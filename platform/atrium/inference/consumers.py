@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import aclosing
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -129,9 +130,13 @@ class InferenceConsumer(AsyncWebsocketConsumer):
                 await service.release(prepared, admission, None)
                 raise
             trace.dispatch = dispatch
-            async for chunk in trace.observe(service.stream_chunks(prepared, dispatch,
-                                                                   admission)):
-                await self._send({"type": "chunk", "id": client_id, "data": chunk})
+            # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as
+            # often as in the stream): the engine is stopped, its usage learnt and the
+            # request logged before the client is told "cancelled".
+            async with aclosing(trace.observe(service.stream_chunks(
+                    prepared, dispatch, admission))) as chunks:
+                async for chunk in chunks:
+                    await self._send({"type": "chunk", "id": client_id, "data": chunk})
             await self._send({"type": "done", "id": client_id})
         except ApiError as exc:
             if trace is not None:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's "client closed request": the caller went away first
 _pending: set[asyncio.Task] = set()
 _BACKLOG_WARNING = 1000
+# Longer than a request's cleanup waits for the engine's final event (FINAL_WAIT_S).
+_CLOSE_WAIT_S = 5.0
 
 
 def _ms(seconds: Any) -> int | None:
@@ -87,15 +90,18 @@ class Trace:
     async def _observe(self, chunks: AsyncIterator[dict[str, Any]]
                        ) -> AsyncIterator[dict[str, Any]]:
         try:
-            async for chunk in chunks:
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") \
-                        if "delta" in choice else choice.get("text")
-                    if text:
-                        self.parts.append(text)
-                    if choice.get("finish_reason"):
-                        self.finish_reason = choice["finish_reason"]
-                yield chunk
+            # NOTE: closed here, not left to the garbage collector: the stream's cleanup
+            # (which learns the engine's final usage) runs before the log is submitted.
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    for choice in chunk.get("choices") or ():
+                        text = (choice.get("delta") or {}).get("content") \
+                            if "delta" in choice else choice.get("text")
+                        if text:
+                            self.parts.append(text)
+                        if choice.get("finish_reason"):
+                            self.finish_reason = choice["finish_reason"]
+                    yield chunk
             if self.status is None:
                 self.status = 200
         except (asyncio.CancelledError, GeneratorExit):
@@ -161,34 +167,31 @@ class Trace:
         when the client's body cannot be turned into text: the metadata row is always
         written)."""
         prepared, dispatch = self.prepared, self.dispatch
+        # Timings only come with the engine's final event.
         usage = (getattr(dispatch, "usage", None) or {}) if dispatch is not None else {}
         if prepared is not None:
             request_id = prepared.engine_request.request_id
             model, adapter = prepared.model.name, (prepared.adapter.display_name
                                                    if prepared.adapter else "")
             stream = bool(prepared.params.stream)
-            sent_prompt = len(prepared.engine_request.prompt_token_ids)
         else:
             body = self.body if isinstance(self.body, dict) else {}
             # Refused before it was parsed: no id was sent back; one in the same shape.
-            request_id, adapter, sent_prompt = completion_id(self.kind), "", 0
+            request_id, adapter = completion_id(self.kind), ""
             model = body.get("model") if isinstance(body.get("model"), str) else ""
             stream = self.transport == "websocket" or body.get("stream") is True
-        if usage:
-            prompt_tokens = int(usage.get("prompt_tokens", 0))
-            completion_tokens = int(usage.get("completion_tokens", 0))
-        else:  # ended before the engine's final event: what the relay saw
-            reached = dispatch is not None and dispatch.owner is not None
-            prompt_tokens = sent_prompt if reached else 0
-            completion_tokens = dispatch.completion_tokens if dispatch is not None else 0
+        # The engine's count, as billed; without its final event, what recovery would bill.
+        counted = dispatch.counted_usage() if dispatch is not None else {}
         return RequestLogEntry(
             request_id=request_id, tenant_id=self.principal.tenant_id, endpoint=self.kind,
             transport=self.transport, model=model, adapter=adapter, stream=stream,
             status=self.status or 500, error_code=self.error_code,
             finish_reason=self.finish_reason, api_key_id=self.principal.api_key_id,
-            api_key_prefix=self.principal.api_key_prefix, prompt_tokens=prompt_tokens,
-            cached_tokens=int(usage.get("cached_tokens", 0)),
-            completion_tokens=completion_tokens, queue_ms=_ms(usage.get("queue_s")),
+            api_key_prefix=self.principal.api_key_prefix,
+            prompt_tokens=counted.get("prompt_tokens", 0),
+            cached_tokens=counted.get("cached_tokens", 0),
+            completion_tokens=counted.get("completion_tokens", 0),
+            queue_ms=_ms(usage.get("queue_s")),
             ttft_ms=_ms(usage.get("ttft_s")), total_ms=_ms(usage.get("total_s")),
             latency_ms=self._latency_ms, created_at=self.started_at,
             prompt=self._prompt() if bodies else None,
@@ -218,6 +221,10 @@ def _record_in_thread(trace: Trace) -> None:
 
 
 async def _write(trace: Trace) -> None:
+    closing = getattr(trace.dispatch, "closing", None)
+    if closing is not None:
+        # The request's cleanup learns the engine's usage, the count billing gets.
+        await asyncio.wait([closing], timeout=_CLOSE_WAIT_S)
     await sync_to_async(_record_in_thread, thread_sensitive=False)(trace)
 
 

@@ -3,7 +3,8 @@
 `prepare` is synchronous and pure (parse, tokenize, check limits); `admit` takes
 the request's share of its tenant's and key's quotas; `open_dispatch` queues the
 request; `stream_chunks` and `collect` turn engine events into OpenAI chunk
-objects or a whole response, and settle the quotas (`release`) however they end.
+objects or a whole response, and clean up (`close`: stop the engine's work, learn
+its usage, settle the quotas) however they end.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from adapters.facade import (
 from atrium.inference import admission as quota
 from atrium.inference import params as p
 from atrium.inference.auth import touch_later
-from atrium.inference.dispatch import Dispatch
+from atrium.inference.dispatch import FINAL_WAIT_S, Dispatch
 from atrium.inference.errors import (
     AdapterNotReady,
     ContextLengthExceeded,
@@ -227,16 +228,12 @@ async def admit(prepared: Prepared) -> quota.Admission:
     return admission
 
 
-def used_tokens(prepared: Prepared, dispatch: Dispatch | None) -> int:
-    """Prompt + completion tokens the request consumed, as far as the platform knows."""
+def used_tokens(dispatch: Dispatch | None) -> int:
+    """Prompt + completion tokens the request consumed: the engine's count when known."""
     if dispatch is None:
         return 0
-    if dispatch.usage is not None:
-        return (int(dispatch.usage.get("prompt_tokens", 0))
-                + int(dispatch.usage.get("completion_tokens", 0)))
-    if dispatch.owner is None:  # never reached an engine
-        return 0
-    return len(prepared.engine_request.prompt_token_ids) + dispatch.completion_tokens
+    usage = dispatch.counted_usage()
+    return usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 async def release(prepared: Prepared, admission: quota.Admission | None,
@@ -245,7 +242,7 @@ async def release(prepared: Prepared, admission: quota.Admission | None,
     if admission is None or admission.settled:
         return
     settling = asyncio.ensure_future(quota.settle(
-        async_client(), admission, used_tokens=used_tokens(prepared, dispatch)))
+        async_client(), admission, used_tokens=used_tokens(dispatch)))
     try:
         # NOTE: shielded: a request cancelled by a disconnect still gives its quota back.
         await asyncio.shield(settling)
@@ -254,6 +251,37 @@ async def release(prepared: Prepared, admission: quota.Admission | None,
     except Exception:  # noqa: BLE001
         log.warning("could not settle request %s; its slot expires with its lease",
                     admission.request_id, exc_info=True)
+
+
+async def close(prepared: Prepared, dispatch: Dispatch,
+                admission: quota.Admission | None) -> None:
+    """A dispatched request's one cleanup, however it ended: the engine's work is stopped
+    if it still runs, the engine's final usage awaited (the count billing gets, so the
+    quota and the request log settle with the same one), the quota settled.
+
+    Runs once, shielded: a second cancellation (the socket closing too) does not cut it
+    short; the request log waits for it (requestlog.py).
+    """
+    if dispatch.closing is None:
+        dispatch.closing = asyncio.ensure_future(_close(prepared, dispatch, admission))
+        dispatch.closing.add_done_callback(_log_failed_close)
+    await asyncio.shield(dispatch.closing)
+
+
+def _log_failed_close(closing: asyncio.Future) -> None:
+    # NOTE: read here too: its awaiter may have been cancelled and never read it.
+    if not closing.cancelled() and closing.exception() is not None:
+        log.warning("cleaning up a request failed", exc_info=closing.exception())
+
+
+async def _close(prepared: Prepared, dispatch: Dispatch,
+                 admission: quota.Admission | None) -> None:
+    try:
+        if not dispatch.final_read:
+            await dispatch.cancel()
+            await dispatch.wait_final(FINAL_WAIT_S)
+    finally:
+        await release(prepared, admission, dispatch)
 
 
 async def open_dispatch(prepared: Prepared) -> Dispatch:
@@ -334,22 +362,14 @@ async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
                 if prepared.params.include_usage:
                     yield writer.usage_chunk(_usage(event.data.get("usage") or {}))
     finally:
-        try:
-            if not dispatch.finished:
-                await dispatch.cancel()
-        finally:
-            await release(prepared, admission, dispatch)
+        await close(prepared, dispatch, admission)
 
 
 async def abandon(prepared: Prepared, dispatch: Dispatch,
                   admission: quota.Admission | None) -> None:
-    """A dispatched request whose response will never be read: the engine's work is
-    cancelled and the quota settled, as a stream's own cleanup would."""
-    try:
-        if not dispatch.finished:
-            await dispatch.cancel()
-    finally:
-        await release(prepared, admission, dispatch)
+    """A dispatched request whose response will never be read: cleaned up as a stream's
+    own cleanup would."""
+    await close(prepared, dispatch, admission)
 
 
 async def collect(prepared: Prepared, dispatch: Dispatch,
@@ -364,11 +384,7 @@ async def collect(prepared: Prepared, dispatch: Dispatch,
                 _raise_for_final(event)
                 final = event
     finally:
-        try:
-            if not dispatch.finished:
-                await dispatch.cancel()
-        finally:
-            await release(prepared, admission, dispatch)
+        await close(prepared, dispatch, admission)
     text = "".join(parts)
     reason = final.data["finish_reason"]
     if prepared.kind == "chat":
