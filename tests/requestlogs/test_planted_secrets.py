@@ -1,7 +1,8 @@
 """Plant every kind of secret in prompts, send them through the real API (the official
 `openai` client, HTTP and websocket, streamed and not), with body logging on for one
 tenant and off for another, then search every sink for them: the log output, every
-database table (and the SQLite file itself), every Redis key, and every file written.
+database table (and the SQLite file itself), every Redis key, and every file written,
+billing's exports of the ledger included.
 
 The engine echoes its prompt (echo_engine.py), so each secret also travels back as
 completion text through the events stream and the relay. What Redis holds is scanned
@@ -33,6 +34,7 @@ from requestlogs.services import log_policy_update, redaction_pattern_create
 from tenants import keys
 from tenants.access import SYSTEM
 from tenants.models import Tenant
+from tests.billing.conftest import export_dir  # noqa: F401 - a fixture
 from tests.platform.conftest import make_tenant_key
 from tests.requestlogs.conftest import wait_for_logs
 
@@ -206,7 +208,8 @@ def _decoded_token_ids(text: str, tokenizer: Tokenizer) -> list[str]:
 
 def _files_text(since: float) -> str:
     parts = []
-    roots = {Path(settings.ATRIUM_HOME), Path(settings.ATRIUM_ADAPTER_STORE)}
+    roots = {Path(settings.ATRIUM_HOME), Path(settings.ATRIUM_ADAPTER_STORE),
+             Path(settings.ATRIUM_EXPORT_DIR)}
     for root in roots:
         for path in root.rglob("*") if root.exists() else ():
             if path.is_file() and path.stat().st_mtime >= since:
@@ -240,8 +243,26 @@ def _send_websocket(api_server: str, key: str, model: str, prompt: str) -> None:
             pass
 
 
+def _bill_and_export(tenants: list[Tenant], since: float) -> None:
+    """The usage reports through the ledger, and the ledger out as every export there is."""
+    from datetime import UTC, datetime, timedelta
+
+    from billing import services as billing
+    from billing.ingest import drain
+
+    assert drain(redis_lib.Redis.from_url(settings.REDIS_URL)) > 0
+    start = datetime.fromtimestamp(since, UTC)
+    for tenant in tenants:
+        for kind, fmt in (("ledger", "csv"), ("ledger", "jsonl"), ("meter_events", "jsonl"),
+                          ("invoices", "csv")):
+            export = billing.export_create(tenant=tenant, actor=SYSTEM, kind=kind, format=fmt,
+                                           start=start, end=start + timedelta(days=1))
+            assert billing.export_build(export_id=export.pk).rows > 0
+
+
 def test_planted_secrets_reach_no_sink_unredacted(api_server, served_model, echo_engine,
-                                                  tiny_model_path, captured_logs):
+                                                  tiny_model_path, captured_logs,
+                                                  export_dir):  # noqa: F811
     started = time.time() - 1
     planted = plant()
     marker = f"plantmarker{_rand(string.ascii_lowercase, 12)}"
@@ -284,14 +305,17 @@ def test_planted_secrets_reach_no_sink_unredacted(api_server, served_model, echo
                for log in RequestLog.objects.filter(tenant__slug="drops"))
 
     tokenizer = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json"))
+    redis_text = _redis_text(redis_lib.Redis.from_url(settings.REDIS_URL), tokenizer)
+    # The engines' usage reports wait in Redis for the billing ledger: scanned there, then
+    # billed, and the ledger exported (docs/billing.md): scanned as table rows and files.
+    assert "atrium:usage" in redis_text
+    _bill_and_export(list(Tenant.objects.filter(slug__in=callers)), started)
     sinks = {
         "log output": "\n".join(captured_logs.lines),
         "database": _database_text(),
-        "redis": _redis_text(redis_lib.Redis.from_url(settings.REDIS_URL), tokenizer),
+        "redis": redis_text,
         "files": _files_text(started),
     }
-    # The engines' usage reports wait in Redis for the billing ledger: scanned there.
-    assert "atrium:usage" in sinks["redis"]
     needles = {n for item in planted for n in item.needles}
     needles |= {caller.key for caller in callers.values()}
     for sink, text in sinks.items():
