@@ -106,12 +106,17 @@ def _iban(match: str) -> bool:
     return int(number) % 97 == 1
 
 
+def _personal(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Loopback and "any" addresses name no one: they are a server's own configuration
+    (``Uvicorn running on http://127.0.0.1:8000``), so they stay readable."""
+    return not (address.is_loopback or address.is_unspecified)
+
+
 def _ipv4(match: str) -> bool:
     try:
-        ipaddress.IPv4Address(match)
+        return _personal(ipaddress.IPv4Address(match))
     except ValueError:
         return False
-    return True
 
 
 def _ipv6(match: str) -> bool:
@@ -119,10 +124,9 @@ def _ipv6(match: str) -> bool:
     if match.count(":") < 2 or not any(c.isdigit() for c in match):
         return False
     try:
-        ipaddress.IPv6Address(match)
+        return _personal(ipaddress.IPv6Address(match))
     except ValueError:
         return False
-    return True
 
 
 def _ssn(match: str) -> bool:

@@ -83,3 +83,16 @@ def test_celery_keeps_the_json_root_logger_for_its_own_and_task_loggers():
     lines = {entry["logger"]: entry["msg"] for entry in _json_lines(out.stderr)}
     assert lines["celery.worker"] == "card [CARD]"
     assert lines["requestlogs.tasks"] == "retrying with password=[SECRET]"
+
+
+def test_the_servers_own_loopback_address_stays_readable_and_a_clients_does_not():
+    started = _format("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
+                      "http", "127.0.0.1", 8000)
+    assert started["msg"] == "Uvicorn running on http://127.0.0.1:8000 (Press CTRL+C to quit)"
+    metrics = _format("Prometheus metrics on http://%s:%d/metrics", "0.0.0.0", 9100)
+    assert metrics["msg"] == "Prometheus metrics on http://0.0.0.0:9100/metrics"
+    assert _format("listening on [::1]:8000")["msg"] == "listening on [::1]:8000"
+    client = _format('%s - "POST /v1/chat/completions HTTP/1.1" 200', "203.0.113.9:51234")
+    assert client["msg"] == '[IP]:51234 - "POST /v1/chat/completions HTTP/1.1" 200'
+    secrets = _format("from 127.0.0.1 mail %s key AKIAIOSFODNN7EXAMPLE", "bob@example.com")
+    assert secrets["msg"] == "from 127.0.0.1 mail [EMAIL] key [AWS_KEY]"
