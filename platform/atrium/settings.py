@@ -242,6 +242,8 @@ SPECTACULAR_SETTINGS = {
     },
 }
 
+# Console sign-in by username or email, any case (tenants/backends.py).
+AUTHENTICATION_BACKENDS = ["tenants.backends.EmailOrUsernameBackend"]
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
