@@ -1,0 +1,208 @@
+"""End-to-end: the real `atrium up` as a subprocess, driven only through what a user has.
+
+Nothing here imports the project. The tests talk to it with the official ``openai``
+package, REST over httpx, the websocket, the ``atrium`` command and a real Chromium, on
+two setups: ``embedded`` (no configuration at all: SQLite, the embedded Redis, the demo
+model) and ``services`` (``DATABASE_URL`` and ``REDIS_URL`` on the machine's PostgreSQL
+and Redis, as production runs). Each setup is one `atrium up`, started once with its own
+``ATRIUM_HOME`` and shared by the tests of that setup.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the environment `make install` made: atrium, python
+# The demo model is built by the first `atrium up` and copied into later homes (the
+# build itself is proven by the first start of a session with an empty cache).
+MODEL_CACHE = ROOT / "var" / "e2e-models"
+START_TIMEOUT_S = 300
+# Redis database the `services` setup uses on the machine's Redis (the suite's own is 15).
+SERVICES_REDIS_DB = 12
+PROJECT_ENV = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "TRITON_INTERPRET")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.e2e)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def user_env(home: Path, **extra: str) -> dict[str, str]:
+    """A user's shell: none of the test session's own settings, the venv first on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in PROJECT_ENV and not k.startswith(("ATRIUM_", "CELERY_"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["ATRIUM_HOME"] = str(home)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Atrium:
+    """One running `atrium up`, as its user sees it."""
+
+    setup: str
+    home: Path
+    env: dict[str, str]
+    port: int
+    proc: subprocess.Popen | None = None
+    lines: list[str] = field(default_factory=list)
+    key: str = ""
+    model: str = "atrium-demo"
+    started_s: float = 0.0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def start(self, *args: str) -> None:
+        began = time.monotonic()
+        self.lines = []
+        self.proc = subprocess.Popen(
+            [str(BIN / "atrium"), "up", "--port", str(self.port), *args], cwd=self.home,
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),
+                         daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not re.search(r"^Atrium is up at .*?^PY$", self.output, re.M | re.S):
+            assert self.proc.poll() is None, f"atrium up exited:\n{self.output[-6000:]}"
+            assert time.monotonic() < deadline, f"atrium up did not start:\n{self.output[-6000:]}"
+            time.sleep(0.2)
+        self.started_s = time.monotonic() - began
+        found = re.search(r"API key for tenant 'demo' \(shown once\): (atr_\w+)", self.output)
+        if found:
+            self.key = found.group(1)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        os.killpg(self.proc.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+
+    def cli(self, *args: str, input: str | None = None, timeout: float = 120
+            ) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "atrium"), *args], env=self.env, cwd=self.home,
+                              input=input, capture_output=True, text=True, timeout=timeout)
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.base, timeout=60,
+                            headers={"Authorization": f"Bearer {key or self.key}"})
+
+    def openai(self, key: str | None = None):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base}/v1", api_key=key or self.key, max_retries=0)
+
+
+def _services_env(home: Path) -> tuple[dict[str, str], callable]:
+    """A new PostgreSQL database and a flushed Redis database on the test session's servers."""
+    database_url = os.environ.get("DATABASE_URL", "")
+    redis_url = os.environ.get("REDIS_URL", "")
+    if not database_url.startswith("postgres") or not redis_url.startswith("redis://"):
+        reason = ("the services setup needs DATABASE_URL (PostgreSQL) and REDIS_URL "
+                  "(redis://) naming the machine's servers, as CI sets them")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    import psycopg
+    import redis
+
+    name = f"atrium_e2e_{uuid.uuid4().hex[:8]}"
+    server = urlsplit(database_url)
+    admin_url = urlunsplit(server._replace(path="/postgres"))
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    redis_parts = urlsplit(redis_url)
+    e2e_redis = urlunsplit(redis_parts._replace(path=f"/{SERVICES_REDIS_DB}", query=""))
+    redis.Redis.from_url(e2e_redis).flushdb()
+
+    def drop() -> None:
+        redis.Redis.from_url(e2e_redis).flushdb()
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    env = user_env(home, DATABASE_URL=urlunsplit(server._replace(path=f"/{name}")),
+                   REDIS_URL=e2e_redis)
+    return env, drop
+
+
+def _seed_model_cache(home: Path) -> None:
+    if (MODEL_CACHE / "models").is_dir():
+        shutil.copytree(MODEL_CACHE / "models", home / "models")
+
+
+def _fill_model_cache(home: Path) -> None:
+    if not (MODEL_CACHE / "models").is_dir():
+        tmp = MODEL_CACHE.with_name(f".{MODEL_CACHE.name}-{os.getpid()}")
+        shutil.copytree(home / "models", tmp / "models")
+        MODEL_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.rename(MODEL_CACHE)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", params=["embedded", "services"])
+def atrium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Atrium]:
+    home = tmp_path_factory.mktemp(f"atrium-home-{request.param}")
+    cleanup = None
+    if request.param == "services":
+        env, cleanup = _services_env(home)
+    else:
+        env = user_env(home)
+    _seed_model_cache(home)
+    up = Atrium(setup=request.param, home=home, env=env, port=free_port())
+    try:
+        up.start()
+        assert up.key, f"the first start shows the demo key:\n{up.output[-3000:]}"
+        _fill_model_cache(home)
+        yield up
+    finally:
+        up.stop()
+        if cleanup is not None:
+            cleanup()
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.5, what: str = "condition"):
+    """Polls ``predicate`` until it returns something truthy; returns that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(interval)
