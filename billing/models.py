@@ -240,13 +240,13 @@ class Export(models.Model):
     """A file of a tenant's billing data for a time range, built by a Celery task."""
 
     class Kind(models.TextChoices):
-        LEDGER = "ledger"
-        INVOICES = "invoices"
-        METER_EVENTS = "meter_events"
+        LEDGER = "ledger", "Ledger"
+        INVOICES = "invoices", "Invoices"
+        METER_EVENTS = "meter_events", "Meter events"
 
     class Format(models.TextChoices):
-        CSV = "csv"
-        JSONL = "jsonl"
+        CSV = "csv", "CSV"
+        JSONL = "jsonl", "JSON Lines"
 
     class Status(models.TextChoices):
         PENDING = "pending"

@@ -277,3 +277,19 @@ def test_every_page_renders_without_a_script_or_policy_error(new_page, world, ap
         screenshot(operator, f"operator-{name.replace('/', '-')}")
     assert httpx.get(f"{api_server}/static/webui/console.css").status_code == 200
     assert errors == []
+
+
+OVERFLOWING_TABLES = """() => [...document.querySelectorAll('.table-wrap')]
+    .filter(w => w.scrollWidth > w.clientWidth + 1)
+    .map(w => (w.querySelector('table') || w).id || 'a table')"""
+
+
+def test_every_table_fits_a_1280_px_window(new_page, world):
+    page = new_page(viewport=(1280, 800))
+    sign_in(page, "ops@atrium.test", PASSWORD)
+    for name in OPERATOR_PAGES:
+        page.goto(f"/console/operator/{name}")
+        assert page.evaluate(OVERFLOWING_TABLES) == [], name
+    for name in TENANT_PAGES:
+        page.goto(f"/console/t/acme/{name}")
+        assert page.evaluate(OVERFLOWING_TABLES) == [], name

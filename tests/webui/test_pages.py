@@ -338,3 +338,25 @@ def test_a_developer_cannot_rotate_their_key_into_scopes_their_role_lacks(world)
     assert reply.status_code == 403
     assert world.acme.api_keys.get(pk=widened.pk).replaced_by_id is None
     assert not world.acme.api_keys.filter(name="widened").exclude(pk=widened.pk).exists()
+
+
+def test_a_tenant_without_members_says_how_to_add_one(world):
+    from tenants.services import tenant_create
+
+    tenant_create(name="Empty", slug="empty")
+    page = _client(world.staff).get(reverse("webui:members", kwargs={"slug": "empty"}))
+    body = page.content.decode()
+    assert 'id="members-empty"' in body and 'id="members"' not in body
+    assert "No members yet" in body and "atrium create-user EMAIL --tenant empty" in body
+    assert reverse("webui:op-tenant", kwargs={"slug": "empty"}) in body
+    listed = _client(world.staff).get(reverse("webui:members", kwargs={"slug": "acme"}))
+    assert 'id="members-empty"' not in listed.content.decode()
+
+
+def test_export_kinds_and_formats_read_as_people_write_them(world):
+    body = _client(world.people["billing"]).get(
+        reverse("webui:billing", kwargs={"slug": "acme"})).content.decode()
+    assert ">CSV</option>" in body and ">JSON Lines</option>" in body
+    assert "Meter events</option>" in body
+    assert "Csv" not in body and "Jsonl" not in body
+    assert "Ledger · CSV" in body  # the world's export, in the table
