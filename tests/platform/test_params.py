@@ -98,3 +98,23 @@ def test_negative_token_ids_are_an_invalid_value_not_a_second_prompt():
     with pytest.raises(InvalidRequest, match="non-negative") as err:
         parse_completion({"model": "m", "prompt": [-1, 2]})
     assert err.value.code == "invalid_value"
+
+
+@pytest.mark.parametrize("extra", [{"store": True}, {"store": False},
+                                   {"metadata": {"team": "search", "run": "7"}},
+                                   {"parallel_tool_calls": False}, {"metadata": None}])
+def test_fields_that_change_nothing_are_accepted_when_well_formed(extra):
+    params = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                         **extra})
+    assert params.params.model == "m"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"store": "yes"}, "store"), ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ({"metadata": ["a"]}, "metadata"), ({"metadata": {"k": 5}}, "metadata"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata")])
+def test_malformed_ignored_fields_are_a_400_naming_them(extra, param):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
+    assert refused.value.param == param

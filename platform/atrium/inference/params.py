@@ -109,6 +109,23 @@ def _reject_unsupported(body: dict) -> None:
             raise InvalidRequest(message, param=name, code="unsupported_parameter")
 
 
+def _check_ignored(body: dict) -> None:
+    """Fields OpenAI's clients send that change nothing here, accepted when well-formed:
+    ``store`` and ``metadata`` (Atrium keeps no stored completions; the request log is its
+    record) and ``parallel_tool_calls`` (no tools are served)."""
+    for name in ("store", "parallel_tool_calls"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise InvalidRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= 16
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                    for k, v in metadata.items())):
+        raise InvalidRequest("'metadata' must be an object of at most 16 string values "
+                             "(keys up to 64 characters, values up to 512)", param="metadata",
+                             code="invalid_value")
+
+
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
@@ -161,6 +178,7 @@ def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationPa
     for name in ("user",):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidRequest(f"'{name}' must be a string", param=name, code="invalid_type")
+    _check_ignored(body)
     max_tokens = _optional_int(body, max_tokens_field, lo=1)
     max_tokens_param = max_tokens_field
     if max_tokens_field != "max_tokens" and max_tokens is None:
