@@ -3,44 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-
-def _django() -> None:
-    _home()  # the SQLite file and the adapter store live there by default
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
-    import django
-
-    django.setup()
-
-
-def _home() -> Path:
-    home = Path(os.environ.get("ATRIUM_HOME", Path.home() / ".atrium")).expanduser()
-    home.mkdir(parents=True, exist_ok=True)
-    return home
+from atrium.cli_support import (
+    atrium_home,
+    django_setup,
+    new_key,
+    refuse_busy_port,
+    tenant_or_exit,
+)
+from atrium.up import cmd_up
 
 
 def cmd_migrate(args: argparse.Namespace) -> None:
-    _django()
+    django_setup()
     from django.core.management import call_command
 
     call_command("migrate", interactive=False, verbosity=args.verbosity)
 
 
 def cmd_create_tenant(args: argparse.Namespace) -> None:
-    _django()
+    django_setup()
     from tenants.services import TenantError, tenant_create
 
     try:
@@ -50,10 +41,6 @@ def cmd_create_tenant(args: argparse.Namespace) -> None:
     print(tenant.slug)
 
 
-# What `atrium up` gives its one key: what a solo developer does in the first hour (call
-# models, upload adapters, read usage, export the bill), not tenant administration.
-DEMO_KEY_NAME = "demo key (atrium up)"
-DEMO_KEY_SCOPES = ("inference", "adapters", "usage", "billing")
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -71,36 +58,9 @@ def parse_scopes(text: str) -> list[str]:
     return [scope.strip() for scope in text.split(",") if scope.strip()]
 
 
-def _tenant(slug: str):
-    from tenants.models import Tenant
-
-    tenant = Tenant.objects.filter(slug=slug).first()
-    if tenant is None:
-        sys.exit(f"atrium: no tenant {slug!r}; create it with `atrium create-tenant`")
-    return tenant
-
-
-def _new_key(tenant, *, name: str, scopes, expires_in: timedelta | None) -> str:
-    from django.utils import timezone
-
-    from atrium.errors import ApiError
-    from tenants.services import api_key_create
-
-    expires_at = timezone.now() + expires_in if expires_in else None
-    try:
-        key, plaintext = api_key_create(tenant=tenant, name=name, scopes=scopes,
-                                        expires_at=expires_at)
-    except ApiError as exc:
-        sys.exit(f"atrium: {exc.message}")
-    until = f"until {key.expires_at:%Y-%m-%d %H:%M} UTC" if key.expires_at else "no expiry"
-    print(f"created key {key.pk} ({key.prefix}…, '{key.name}') for tenant '{tenant.slug}': "
-          f"scopes {', '.join(key.scopes)}; {until}", file=sys.stderr)
-    return plaintext
-
-
 def cmd_create_key(args: argparse.Namespace) -> None:
-    _django()
-    print(_new_key(_tenant(args.tenant), name=args.name, scopes=args.scopes,
+    django_setup()
+    print(new_key(tenant_or_exit(args.tenant), name=args.name, scopes=args.scopes,
                    expires_in=args.expires_in))
 
 
@@ -117,7 +77,7 @@ def _read_password(from_stdin: bool) -> str:
 
 def cmd_create_user(args: argparse.Namespace) -> None:
     """A console account: an operator, or a member of a tenant with a role."""
-    _django()
+    django_setup()
     from django.contrib.auth.password_validation import validate_password
     from django.core.exceptions import ValidationError
     from django.db import transaction
@@ -127,7 +87,7 @@ def cmd_create_user(args: argparse.Namespace) -> None:
 
     if not args.operator and not args.tenant:
         sys.exit("atrium: name a tenant (--tenant SLUG) or make an operator (--operator)")
-    tenant = _tenant(args.tenant) if args.tenant else None
+    tenant = tenant_or_exit(args.tenant) if args.tenant else None
     password = _read_password(args.password_stdin)
     try:
         validate_password(password)
@@ -146,12 +106,12 @@ def cmd_create_user(args: argparse.Namespace) -> None:
 
 
 def cmd_revoke_key(args: argparse.Namespace) -> None:
-    _django()
+    django_setup()
     from tenants.models import ApiKey
     from tenants.services import api_key_revoke
 
-    tenant = _tenant(args.tenant)
-    key = ApiKey.objects.for_tenant(tenant).filter(prefix=args.prefix).first()
+    tenant = tenant_or_exit(args.tenant)
+    key = ApiKey.objects.fortenant_or_exit(tenant).filter(prefix=args.prefix).first()
     if not key:
         sys.exit(f"atrium: tenant {args.tenant!r} has no key with prefix {args.prefix!r}")
     api_key_revoke(tenant=tenant, key_id=key.pk)
@@ -162,7 +122,7 @@ def cmd_register_adapter(args: argparse.Namespace) -> None:
     path, name = _model()
     from adapters.services import AdapterRejected, adapter_register
 
-    tenant = _tenant(args.tenant)
+    tenant = tenant_or_exit(args.tenant)
     try:
         adapter = adapter_register(tenant=tenant, name=args.name, source_dir=Path(args.path),
                                    base_model=name, base_model_dir=path, public=args.public)
@@ -175,45 +135,17 @@ def cmd_register_adapter(args: argparse.Namespace) -> None:
 def cmd_build_demo_model(args: argparse.Namespace) -> None:
     from engine.demo_model import ensure_demo_model
 
-    print(ensure_demo_model(_home()))
+    print(ensure_demo_model(atrium_home()))
 
 
 def cmd_web(args: argparse.Namespace) -> None:
     import uvicorn
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
-    _refuse_busy_port(args.host, args.port, hint="atrium web --port {port}")
+    refuse_busy_port(args.host, args.port, hint="atrium web --port {port}")
     uvicorn.run("atrium.asgi:application", host=args.host, port=args.port,
                 log_level="info", log_config=None,  # Django's LOGGING: JSON, redacted
                 **server_options())
-
-
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # NOTE: the same option uvicorn binds with, so a port in TIME_WAIT counts as free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return False
-            raise
-    return True
-
-
-def _refuse_busy_port(host: str, port: int, *, hint: str) -> None:
-    """One clear line instead of a server's traceback when the port is taken."""
-    try:
-        free = _port_free(host, port)
-    except OSError as exc:
-        sys.exit(f"atrium: cannot listen on {host}:{port}: {exc.strerror}")
-    if free:
-        return
-    other = next((p for p in range(port + 1, min(port + 100, 65536)) if _port_free(host, p)),
-                 None)
-    suggestion = f"; try `{hint.format(port=other)}`" if other else ""
-    sys.exit(f"atrium: port {port} is in use{suggestion}")
 
 
 def server_options() -> dict:
@@ -226,7 +158,7 @@ def server_options() -> dict:
 
 
 def _model() -> tuple[Path, str]:
-    _django()
+    django_setup()
     from atrium.inference.served_models import model_path_and_name
 
     return model_path_and_name()
@@ -237,7 +169,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
     path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
         if args.model_dir else _model()
-    _django()
+    django_setup()
     from django.conf import settings
 
     # The store the platform registers adapters into, and its Redis (settings.py).
@@ -251,170 +183,14 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    _django()
+    django_setup()
     from atrium.celery import app
 
     argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}"]
     if not args.no_beat:
-        beat_db = _home() / "celerybeat-schedule"
+        beat_db = atrium_home() / "celerybeat-schedule"
         argv += ["--beat", f"--schedule={beat_db}"]
     app.worker_main(argv)
-
-
-def _wait_http(url: str, timeout: float) -> bool:
-    import urllib.request
-
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return True
-        except OSError:
-            time.sleep(0.3)
-    return False
-
-
-def _wait_engine(model: str, timeout: float) -> bool:
-    from atrium.redis import sync_client
-    from engine import protocol
-
-    client, end = sync_client(), time.time() + timeout
-    while time.time() < end:
-        since = time.time() - protocol.HEARTBEAT_TTL_S
-        for engine_id in client.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf"):
-            raw = client.get(protocol.engine_key(engine_id.decode()))
-            if raw and protocol.EngineHeartbeat.decode(raw).model == model:
-                return True
-        time.sleep(0.3)
-    return False
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def _demo_key(*, new_key: bool) -> str | None:
-    """The demo tenant's key: made on the first start (and on ``--new-key``), shown once.
-
-    Later starts mint nothing (a key per start would pile up live, non-expiring secrets).
-    """
-    from tenants.selectors import api_key_denial, api_key_list
-    from tenants.services import tenant_get_or_create
-
-    tenant = tenant_get_or_create(name="Demo", slug="demo")
-    has_key = any(api_key_denial(key) is None
-                  for key in api_key_list(tenant=tenant).filter(name=DEMO_KEY_NAME))
-    if has_key and not new_key:
-        return None
-    return _new_key(tenant, name=DEMO_KEY_NAME, scopes=DEMO_KEY_SCOPES, expires_in=None)
-
-
-def cmd_up(args: argparse.Namespace) -> None:
-    # SIGTERM (a service manager, `kill`) stops everything as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    _refuse_busy_port(args.host, args.port, hint="make up PORT={port}")
-    home = _home()
-    if os.environ.get("REDIS_URL"):
-        _up(args, home)
-        return
-    from atrium.embedded_redis import EmbeddedRedis
-
-    redis_server = EmbeddedRedis(home / "redis")
-    os.environ["REDIS_URL"] = redis_server.start()
-    try:
-        # Other `atrium` commands on this ATRIUM_HOME (revoke-key from another terminal)
-        # find this Redis through the file while it runs (settings.py).
-        (home / "redis.url").write_text(redis_server.url)
-        print(f"embedded Redis at {redis_server.url}")
-        _up(args, home)
-    finally:  # whatever stopped the rest, a start-up error included
-        (home / "redis.url").unlink(missing_ok=True)
-        redis_server.stop()
-
-
-def _up(args: argparse.Namespace, home: Path) -> None:
-    demo_model = not os.environ.get("ATRIUM_MODEL")
-    if demo_model:
-        from engine.demo_model import demo_model_dir, ensure_demo_model
-
-        if not (demo_model_dir(home) / "config.json").exists():
-            print("building the demo model (once; cached under ATRIUM_HOME)...", flush=True)
-        os.environ["ATRIUM_MODEL"] = str(ensure_demo_model(home))
-        os.environ.setdefault("ATRIUM_MODEL_NAME", "atrium-demo")
-    _django()
-    from django.core.management import call_command
-
-    from atrium.inference.served_models import model_path_and_name
-
-    call_command("migrate", interactive=False, verbosity=0)
-    api_key = _demo_key(new_key=args.new_key)
-    _, model_name = model_path_and_name()
-
-    exe = [sys.executable, "-m", "atrium.cli"]
-    children = [
-        subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port)]),
-        subprocess.Popen(exe + ["engine"]),
-        subprocess.Popen(exe + ["worker", "--concurrency", "1"]),
-    ]
-    base = f"http://{args.host}:{args.port}"
-    try:
-        if not _wait_http(f"{base}/healthz", 60):
-            raise SystemExit("atrium: the web server did not start; see the log above")
-        if not _wait_engine(model_name, 300):
-            raise SystemExit("atrium: the engine did not start; see the log above")
-        print(_banner(base, model_name, api_key, demo_model=demo_model), flush=True)
-        while all(c.poll() is None for c in children):
-            time.sleep(0.5)
-        raise SystemExit("atrium: a process exited; stopped the rest")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
-
-
-def _banner(base: str, model: str, key: str | None, *, demo_model: bool) -> str:
-    if key:
-        about_key = f"API key for tenant 'demo' (shown once): {key}"
-    else:
-        key = "$ATRIUM_API_KEY"
-        about_key = ("The demo tenant's key was shown on the first start. Another one:\n"
-                     f"  export ATRIUM_API_KEY=$(atrium create-key demo --scopes "
-                     f"{','.join(DEMO_KEY_SCOPES)} --expires-in 30d)\n"
-                     "  (or restart with `atrium up --new-key`)")
-    about_model = ""
-    if demo_model:
-        about_model = f"""
-'{model}' is a tiny model built on this machine from random weights, so it answers
-word salad: enough to try every feature, not to judge answers. To serve a real
-Llama-family checkpoint in Hugging Face layout: ATRIUM_MODEL=/path/to/model make up
-"""
-    return f"""
-Atrium is up at {base}  (Ctrl-C stops everything)
-Console: {base}/console/
-{about_key}
-{about_model}
-curl -N {base}/v1/chat/completions \\
-  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
-  -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
-       "messages": [{{"role": "user", "content": "Tell me about the sea."}}]}}'
-
-python - <<'PY'
-from openai import OpenAI
-client = OpenAI(base_url="{base}/v1", api_key="{key}")
-for chunk in client.chat.completions.create(
-        model="{model}", stream=True, max_tokens=32,
-        messages=[{{"role": "user", "content": "Tell me about the sea."}}]):
-    print(chunk.choices[0].delta.content or "", end="", flush=True)
-print()
-PY
-"""
 
 
 def build_parser() -> argparse.ArgumentParser:

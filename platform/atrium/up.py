@@ -1,0 +1,176 @@
+"""`atrium up`: web, engine and Celery worker in one process tree, on embedded defaults
+(an embedded Redis, SQLite, the demo model) unless REDIS_URL / DATABASE_URL / ATRIUM_MODEL
+name real ones."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from atrium.cli_support import atrium_home, django_setup, new_key, refuse_busy_port
+
+# What `atrium up` gives its one key: what a solo developer does in the first hour (call
+# models, upload adapters, read usage, export the bill), not tenant administration.
+DEMO_KEY_NAME = "demo key (atrium up)"
+DEMO_KEY_SCOPES = ("inference", "adapters", "usage", "billing")
+
+
+def _wait_http(url: str, timeout: float) -> bool:
+    import urllib.request
+
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+def _wait_engine(model: str, timeout: float) -> bool:
+    from atrium.redis import sync_client
+    from engine import protocol
+
+    client, end = sync_client(), time.time() + timeout
+    while time.time() < end:
+        since = time.time() - protocol.HEARTBEAT_TTL_S
+        for engine_id in client.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf"):
+            raw = client.get(protocol.engine_key(engine_id.decode()))
+            if raw and protocol.EngineHeartbeat.decode(raw).model == model:
+                return True
+        time.sleep(0.3)
+    return False
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _demo_key(*, another: bool) -> str | None:
+    """The demo tenant's key: made on the first start (and on ``--new-key``), shown once.
+
+    Later starts mint nothing (a key per start would pile up live, non-expiring secrets).
+    """
+    from tenants.selectors import api_key_denial, api_key_list
+    from tenants.services import tenant_get_or_create
+
+    tenant = tenant_get_or_create(name="Demo", slug="demo")
+    has_key = any(api_key_denial(key) is None
+                  for key in api_key_list(tenant=tenant).filter(name=DEMO_KEY_NAME))
+    if has_key and not another:
+        return None
+    return new_key(tenant, name=DEMO_KEY_NAME, scopes=DEMO_KEY_SCOPES, expires_in=None)
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    # SIGTERM (a service manager, `kill`) stops everything as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    refuse_busy_port(args.host, args.port, hint="make up PORT={port}")
+    home = atrium_home()
+    if os.environ.get("REDIS_URL"):
+        _up(args, home)
+        return
+    from atrium.embedded_redis import EmbeddedRedis
+
+    redis_server = EmbeddedRedis(home / "redis")
+    os.environ["REDIS_URL"] = redis_server.start()
+    try:
+        # Other `atrium` commands on this ATRIUM_HOME (revoke-key from another terminal)
+        # find this Redis through the file while it runs (settings.py).
+        (home / "redis.url").write_text(redis_server.url)
+        print(f"embedded Redis at {redis_server.url}")
+        _up(args, home)
+    finally:  # whatever stopped the rest, a start-up error included
+        (home / "redis.url").unlink(missing_ok=True)
+        redis_server.stop()
+
+
+def _up(args: argparse.Namespace, home: Path) -> None:
+    demo_model = not os.environ.get("ATRIUM_MODEL")
+    if demo_model:
+        from engine.demo_model import demo_model_dir, ensure_demo_model
+
+        if not (demo_model_dir(home) / "config.json").exists():
+            print("building the demo model (once; cached under ATRIUM_HOME)...", flush=True)
+        os.environ["ATRIUM_MODEL"] = str(ensure_demo_model(home))
+        os.environ.setdefault("ATRIUM_MODEL_NAME", "atrium-demo")
+    django_setup()
+    from django.core.management import call_command
+
+    from atrium.inference.served_models import model_path_and_name
+
+    call_command("migrate", interactive=False, verbosity=0)
+    api_key = _demo_key(another=args.new_key)
+    _, model_name = model_path_and_name()
+
+    exe = [sys.executable, "-m", "atrium.cli"]
+    children = [
+        subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port)]),
+        subprocess.Popen(exe + ["engine"]),
+        subprocess.Popen(exe + ["worker", "--concurrency", "1"]),
+    ]
+    base = f"http://{args.host}:{args.port}"
+    try:
+        if not _wait_http(f"{base}/healthz", 60):
+            raise SystemExit("atrium: the web server did not start; see the log above")
+        if not _wait_engine(model_name, 300):
+            raise SystemExit("atrium: the engine did not start; see the log above")
+        print(_banner(base, model_name, api_key, demo_model=demo_model), flush=True)
+        while all(c.poll() is None for c in children):
+            time.sleep(0.5)
+        raise SystemExit("atrium: a process exited; stopped the rest")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _banner(base: str, model: str, key: str | None, *, demo_model: bool) -> str:
+    if key:
+        about_key = f"API key for tenant 'demo' (shown once): {key}"
+    else:
+        key = "$ATRIUM_API_KEY"
+        about_key = ("The demo tenant's key was shown on the first start. Another one:\n"
+                     f"  export ATRIUM_API_KEY=$(atrium create-key demo --scopes "
+                     f"{','.join(DEMO_KEY_SCOPES)} --expires-in 30d)\n"
+                     "  (or restart with `atrium up --new-key`)")
+    about_model = ""
+    if demo_model:
+        about_model = f"""
+'{model}' is a tiny model built on this machine from random weights, so it answers
+word salad: enough to try every feature, not to judge answers. To serve a real
+Llama-family checkpoint in Hugging Face layout: ATRIUM_MODEL=/path/to/model make up
+"""
+    return f"""
+Atrium is up at {base}  (Ctrl-C stops everything)
+Console: {base}/console/
+{about_key}
+{about_model}
+curl -N {base}/v1/chat/completions \\
+  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
+       "messages": [{{"role": "user", "content": "Tell me about the sea."}}]}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
+for chunk in client.chat.completions.create(
+        model="{model}", stream=True, max_tokens=32,
+        messages=[{{"role": "user", "content": "Tell me about the sea."}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+PY
+"""
