@@ -22,6 +22,15 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "tiny-llama", size="tiny", seed=0)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """CI runs what it claims: against PostgreSQL and a real Redis, never the fallbacks."""
+    if os.environ.get("CI") and not (
+            os.environ.get("DATABASE_URL", "").startswith("postgres")
+            and os.environ.get("REDIS_URL", "").startswith("redis://")):
+        pytest.exit("CI must run against PostgreSQL and Redis (DATABASE_URL, REDIS_URL); "
+                    "see .ci/run", returncode=1)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     db = os.environ.get("DATABASE_URL", "sqlite (embedded default)")
     return [f"atrium: DATABASE_URL={db.split('@')[-1]} REDIS_URL={os.environ['REDIS_URL']}",
