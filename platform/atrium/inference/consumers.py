@@ -26,11 +26,10 @@ from contextlib import aclosing
 from typing import Any
 from urllib.parse import urlsplit
 
-from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from atrium.inference import requestlog, service
+from atrium.inference import pipeline, requestlog, service
 from atrium.inference.auth import authenticate
 from atrium.inference.errors import ApiError, InvalidRequest
 
@@ -119,22 +118,12 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             # Logged when it ends, however it ends (requestlog.py).
             trace = requestlog.Trace(principal, kind, transport="websocket")
             trace.body = body
-            await service.precheck(principal)  # a refused caller costs no tokenizing
-            prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
-                principal=principal, kind=kind, body=body)
-            trace.prepared = prepared
-            admission = await service.admit(prepared)
-            try:
-                dispatch = await service.open_dispatch(prepared)
-            except BaseException:
-                await service.release(prepared, admission, None)
-                raise
-            trace.dispatch = dispatch
+            started = await pipeline.start(trace)
             # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as
             # often as in the stream): the engine is stopped, its usage learnt and the
             # request logged before the client is told "cancelled".
             async with aclosing(trace.observe(service.stream_chunks(
-                    prepared, dispatch, admission))) as chunks:
+                    started.prepared, started.dispatch, started.admission))) as chunks:
                 async for chunk in chunks:
                     await self._send({"type": "chunk", "id": client_id, "data": chunk})
             await self._send({"type": "done", "id": client_id})

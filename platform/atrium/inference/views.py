@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from atrium.inference import requestlog, service
+from atrium.inference import pipeline, requestlog, service
 from atrium.inference.auth import authenticate
 from atrium.inference.errors import ApiError, BodyTooLarge, InvalidRequest
 
@@ -125,20 +125,9 @@ async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
 async def _serve(request: HttpRequest, kind: service.Kind,
                  trace: requestlog.Trace) -> HttpResponse:
     trace.body = _json_body(request)
-    await service.precheck(trace.principal)  # a refused caller costs no tokenizing
-    # Tokenizing a long prompt is CPU work: keep it off the event loop.
-    prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
-        principal=trace.principal, kind=kind, body=trace.body)
-    trace.prepared = prepared
-    admission = await service.admit(prepared)
-    headers = {"x-request-id": prepared.response_id, **admission.headers()}
+    started = await pipeline.start(trace)
+    prepared, dispatch, admission = started.prepared, started.dispatch, started.admission
     try:
-        try:
-            dispatch = await service.open_dispatch(prepared)
-        except BaseException:
-            await service.release(prepared, admission, None)
-            raise
-        trace.dispatch = dispatch
         if prepared.params.stream:
             # The stream's own cleanup settles the admission when it ends, however it ends;
             # a stream never started is cleaned up when Django closes the response.
@@ -151,12 +140,12 @@ async def _serve(request: HttpRequest, kind: service.Kind,
 
             return EventStream(
                 _sse(trace.observe(service.stream_chunks(prepared, dispatch, admission))),
-                on_unsent=unsent, headers=headers)
+                on_unsent=unsent, headers=started.headers)
         result = await service.collect(prepared, dispatch, admission)
         trace.completed(result)
-        return JsonResponse(result, headers=headers)
+        return JsonResponse(result, headers=started.headers)
     except ApiError as exc:
-        exc.headers = {**headers, **exc.headers}
+        exc.headers = {**started.headers, **exc.headers}
         raise
 
 
