@@ -144,6 +144,29 @@ def _stop(body: dict) -> list[str]:
     return value
 
 
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream", code="invalid_type")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
+                             param="stream_options", code="invalid_value")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidRequest("'stream_options' takes only 'include_usage'",
+                             param="stream_options", code="invalid_value")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise InvalidRequest("'stream_options.include_usage' must be a boolean",
+                             param="stream_options", code="invalid_type")
+    return stream, include_usage
+
+
 def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationParams:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
@@ -157,24 +180,7 @@ def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationPa
         raise InvalidRequest("'model' is required and must be a string", param="model",
                              code=code)
     _reject_unsupported(body)
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream", code="invalid_type")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
-                                 param="stream_options", code="invalid_value")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise InvalidRequest("'stream_options' takes only 'include_usage'",
-                                 param="stream_options", code="invalid_value")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise InvalidRequest("'stream_options.include_usage' must be a boolean",
-                                 param="stream_options", code="invalid_type")
+    stream, include_usage = _streaming(body)
     for name in ("user",):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidRequest(f"'{name}' must be a string", param=name, code="invalid_type")
