@@ -4,6 +4,14 @@ Used as the formatter of every handler in settings.LOGGING (web, Celery) and by
 the engine workers (`configure_logging`, no Django), so nothing a library logs
 (a request path with a key in it, an exception message quoting a prompt)
 reaches the output unredacted.
+
+What stays readable is decided by the detectors, never by who logged a line: a
+loopback or "any" address (127.0.0.0/8, ::1, 0.0.0.0, ::) names no one, so the
+server's own lines keep their URLs (``Uvicorn running on http://127.0.0.1:8000``,
+``Prometheus metrics on http://127.0.0.1:9100/metrics``), while every other
+address, and every secret or personal datum, is redacted in the message, its
+arguments, its extra fields and its traceback alike. Exempting a logger or a
+message template instead would leak the day someone logs an f-string.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from redaction import redact
 
 # Attributes every LogRecord has; anything else was passed through `extra=`.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+# uvicorn's copy of a message with terminal colours (and its %s left in): noise in JSON.
+_DROPPED = {"color_message"}
 _SECRET_FIELDS = {"authorization", "proxy-authorization", "api_key", "x-api-key", "key",
                   "password", "secret", "prompt", "messages", "completion", "cookie",
                   "set-cookie", "token"}
@@ -46,7 +56,7 @@ class JsonFormatter(logging.Formatter):
             "msg": redact(record.getMessage()),
         }
         for name, value in vars(record).items():
-            if name not in _STANDARD and not name.startswith("_"):
+            if name not in _STANDARD and name not in _DROPPED and not name.startswith("_"):
                 line[name] = "[REDACTED]" if name.lower() in _SECRET_FIELDS else _clean(value)
         if record.exc_info:
             line["exc"] = redact(self.formatException(record.exc_info))

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from redaction.jsonlog import JsonFormatter
 from tenants import keys
 
@@ -85,14 +87,81 @@ def test_celery_keeps_the_json_root_logger_for_its_own_and_task_loggers():
     assert lines["requestlogs.tasks"] == "retrying with password=[SECRET]"
 
 
-def test_the_servers_own_loopback_address_stays_readable_and_a_clients_does_not():
-    started = _format("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)",
-                      "http", "127.0.0.1", 8000)
-    assert started["msg"] == "Uvicorn running on http://127.0.0.1:8000 (Press CTRL+C to quit)"
-    metrics = _format("Prometheus metrics on http://%s:%d/metrics", "0.0.0.0", 9100)
-    assert metrics["msg"] == "Prometheus metrics on http://0.0.0.0:9100/metrics"
-    assert _format("listening on [::1]:8000")["msg"] == "listening on [::1]:8000"
-    client = _format('%s - "POST /v1/chat/completions HTTP/1.1" 200', "203.0.113.9:51234")
-    assert client["msg"] == '[IP]:51234 - "POST /v1/chat/completions HTTP/1.1" 200'
-    secrets = _format("from 127.0.0.1 mail %s key AKIAIOSFODNN7EXAMPLE", "bob@example.com")
-    assert secrets["msg"] == "from 127.0.0.1 mail [EMAIL] key [AWS_KEY]"
+# --- the server's own lines stay readable, a client's data does not ------------------------
+# The rule (redaction/detectors.py:_personal): loopback and "any" addresses name no one, so
+# they are never redacted; everything else in a line is, whoever logged it.
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+@pytest.fixture
+def captured():
+    """JSON lines of every logger, as settings.LOGGING and the engine worker format them."""
+    handler, root = _Lines(), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    yield handler.lines
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://0.0.0.0:8000"),
+    ("::1", "http://[::1]:8000"), ("::", "http://[::]:8000"),
+    ("localhost", "http://localhost:8000")])
+def test_uvicorns_startup_line_keeps_its_url(captured, host, url):
+    import uvicorn
+    from uvicorn.server import Server
+
+    config = uvicorn.Config("atrium.asgi:application", host=host, port=8000, log_config=None)
+    config.ssl = None  # set by Config.load(), which this test does not need
+    Server(config)._log_started_message([])
+    [line] = [entry for entry in captured if entry["logger"] == "uvicorn.error"]
+    assert line["msg"] == f"Uvicorn running on {url} (Press CTRL+C to quit)"
+
+
+def test_uvicorns_terminal_colour_copy_of_a_line_is_left_out():
+    line = _format("Started server process [%d]", 42,
+                   color_message="Started server process [\x1b[36m%d\x1b[0m]")
+    assert line["msg"] == "Started server process [42]" and "color_message" not in line
+
+
+def test_the_engines_metrics_line_keeps_its_url(captured):
+    from engine.metrics_server import serve_metrics
+
+    server = serve_metrics(lambda: None, port=0, labels={})
+    try:
+        [line] = [entry for entry in captured if entry["logger"] == "engine.metrics_server"]
+        port = server.server_address[1]
+        assert line["msg"] == f"Prometheus metrics on http://127.0.0.1:{port}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_clients_public_address_is_redacted():
+    line = _format('%s - "POST /v1/chat/completions HTTP/1.1" 200', "203.0.113.9:51234")
+    assert line["msg"] == '[IP]:51234 - "POST /v1/chat/completions HTTP/1.1" 200'
+
+
+def test_a_private_network_address_is_redacted():
+    assert _format("bound to http://%s:%d", "10.1.2.3", 8000)["msg"] == "bound to http://[IP]:8000"
+
+
+def test_secrets_and_personal_data_beside_a_loopback_address_are_redacted():
+    line = _format("from 127.0.0.1 mail %s key %s", "bob@example.com", "AKIAIOSFODNN7EXAMPLE")
+    assert line["msg"] == "from 127.0.0.1 mail [EMAIL] key [AWS_KEY]"
+
+
+def test_a_password_in_a_loopback_url_is_redacted():
+    line = _format("broker %s", "redis://:hunter22@127.0.0.1:6379/0")
+    assert line["msg"] == "broker redis://:[SECRET]@127.0.0.1:6379/0"
