@@ -21,7 +21,7 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from adapters import archive
+from adapters import archive, queue
 from adapters.models import Adapter, AdapterStatus, AdapterUpload, Visibility
 from adapters.naming import NAME
 from adapters.storage import AdapterFiles
@@ -50,7 +50,7 @@ def adapter_check(*, source_dir: Path, base_model_dir: Path) -> dict:
     NOTE: imports torch: run it in a worker or a command, never on the web hot path.
     """
     from engine.lora.adapter import AdapterError, load_adapter
-    from engine.models.llama import ModelConfig
+    from engine.models.model_config import ModelConfig
 
     base = ModelConfig.from_dir(base_model_dir)
     try:
@@ -168,7 +168,7 @@ def upload_complete(*, upload: AdapterUpload, actor: Actor = SYSTEM) -> Adapter:
                                created_by=upload.created_by)
         audit_record(tenant=upload.tenant, actor=actor, action="adapter.create",
                      target_type="adapter", target_id=adapter.pk, after=_snapshot(adapter))
-        transaction.on_commit(lambda: _queue_validation(adapter))
+        transaction.on_commit(lambda: queue.adapter_validate_enqueue(adapter_id=adapter.pk))
     _publish(adapter)
     return adapter
 
@@ -229,12 +229,6 @@ def uploads_expire() -> int:
 
 
 # -- validation ---------------------------------------------------------------------------
-
-def _queue_validation(adapter: Adapter) -> None:
-    from adapters.tasks import adapter_validate
-
-    adapter_validate.delay(adapter.pk)
-
 
 def _set_status(adapter: Adapter, status: str, **fields) -> Adapter:
     adapter.status = status

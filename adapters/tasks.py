@@ -2,14 +2,14 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from adapters import services
+from adapters import queue, services
 
 # Tries of a validation that fails on the platform's side (storage or database away),
 # seconds apart: 10, 20, 40. A bad upload is not such a failure: it fails at once.
 VALIDATE_RETRIES = 3
 
 
-@shared_task(bind=True, name="adapters.tasks.adapter_validate", acks_late=True,
+@shared_task(bind=True, name=queue.ADAPTER_VALIDATE, acks_late=True,
              max_retries=VALIDATE_RETRIES)
 def adapter_validate(self, adapter_id: int) -> str:
     """Validates one uploaded adapter version; a re-delivered task finds it done."""
@@ -21,6 +21,6 @@ def adapter_validate(self, adapter_id: int) -> str:
         return services.adapter_validate_gave_up(adapter_id=adapter_id, error=exc).status
 
 
-@shared_task(name="adapters.tasks.adapter_uploads_expire")
+@shared_task(name=queue.ADAPTER_UPLOADS_EXPIRE)
 def adapter_uploads_expire() -> int:
     return services.uploads_expire()
