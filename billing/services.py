@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from atrium.errors import Conflict, InvalidRequest, NotFound, RateLimited
 from atrium.redis import sync_client
-from billing import spend
+from billing import queue, spend
 from billing.models import (
     Export,
     Invoice,
@@ -548,14 +548,8 @@ def export_create(*, tenant, actor: Actor, kind: str, format: str, start: dateti
                               f"being built; wait for one to finish", code="too_many_exports")
         export = Export.objects.create(tenant=tenant, kind=kind, format=format, start=start,
                                        end=end, requested_by=actor.label)
-        transaction.on_commit(partial(_queue_export, export.pk))
+        transaction.on_commit(partial(queue.export_build_enqueue, export_id=export.pk))
     return export
-
-
-def _queue_export(export_id: int) -> None:
-    from billing.tasks import export_build
-
-    export_build.delay(export_id)
 
 
 def export_build(*, export_id: int) -> Export:

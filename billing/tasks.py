@@ -5,35 +5,35 @@ from __future__ import annotations
 from celery import shared_task
 
 from atrium.redis import sync_client
-from billing import services
+from billing import queue, services
 from billing.ingest import drain
 
 
-@shared_task(name="billing.tasks.usage_ingest", acks_late=True)
+@shared_task(name=queue.USAGE_INGEST, acks_late=True)
 def usage_ingest() -> int:
     """Moves engine usage reports into the ledger; idempotent, so retries are safe."""
     return drain(sync_client())
 
 
-@shared_task(name="billing.tasks.spend_reconcile", acks_late=True)
+@shared_task(name=queue.SPEND_RECONCILE, acks_late=True)
 def spend_reconcile() -> int:
     """Sets the Redis spend counters and caps from the rollups and the caps' table."""
     return services.spend_reconcile()
 
 
-@shared_task(name="billing.tasks.invoices_close", acks_late=True)
+@shared_task(name=queue.INVOICES_CLOSE, acks_late=True)
 def invoices_close() -> int:
     """Opens this period's drafts; finalizes drafts whose period and grace are over."""
     return services.invoices_close()
 
 
-@shared_task(name="billing.tasks.export_build", acks_late=True)
+@shared_task(name=queue.EXPORT_BUILD, acks_late=True)
 def export_build(export_id: int) -> int:
     """Builds one export's file. Redelivered after a worker died mid-build, it builds it
     again; after success or failure it does nothing (a failed export is asked for anew)."""
     return services.export_build(export_id=export_id).rows
 
 
-@shared_task(name="billing.tasks.exports_expire", acks_late=True)
+@shared_task(name=queue.EXPORTS_EXPIRE, acks_late=True)
 def exports_expire() -> int:
     return services.exports_expire()
