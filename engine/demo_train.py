@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.demo_model import ModelSpec
+    from engine.demo_spec import ModelSpec
 
 
 def train(config: dict, tensors: dict[str, torch.Tensor], tokens: list[int], spec: ModelSpec,
