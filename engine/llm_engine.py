@@ -24,7 +24,7 @@ from engine.lora.slots import AdapterSlots
 from engine.lora.store import AdapterStore, is_hash
 from engine.metrics import EngineMetrics
 from engine.model_runner import DTYPES, ModelRunner
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, usage_of

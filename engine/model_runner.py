@@ -18,8 +18,9 @@ from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRABatch, LoRAManager
-from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
+from engine.models.model_config import ModelConfig
 from engine.sampler import sample_batch
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.lora.store import CONFIG_FILE, WEIGHTS_FILE
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 
 # Engine module -> (fused projection it is a slice of, slice index).
 TARGETS = {

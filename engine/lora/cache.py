@@ -16,7 +16,7 @@ import torch
 
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
 from engine.lora.store import AdapterStore
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from engine.kernels.sgmv import (
     sgmv_shrink_reference,
 )
 from engine.lora.adapter import TARGETS, LoRAAdapter, module_shapes
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 
 # Each fused projection and the checkpoint modules that are its slices, in order.
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),

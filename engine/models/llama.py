@@ -7,82 +7,18 @@ Q/K/V and gate/up projections are fused into one matmul each at load time.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, paged_attention
-from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRABatch
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """What the forward pass needs from config.json, checked on load."""
-
-    raw: dict[str, Any]
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    dtype: str  # the checkpoint's own dtype
-
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read {path}: {exc}") from exc
-        return cls.from_dict(raw)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        arch = (raw.get("architectures") or [""])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"activation {raw['hidden_act']!r} is not supported (silu only)")
-        rope_parameters(raw)  # raises on what it cannot do
-        heads = raw["num_attention_heads"]
-        kv_heads = raw.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        is_qwen2 = raw.get("model_type") == "qwen2" or arch == "Qwen2ForCausalLM"
-        window = raw.get("sliding_window")
-        max_len = raw["max_position_embeddings"]
-        if window and (raw.get("use_sliding_window", True) if is_qwen2 else True):
-            # NOTE: attention here is always full; a context no longer than the window
-            # makes that exact, so the window caps the context instead.
-            max_len = min(max_len, window)
-        return cls(
-            raw=raw, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), max_position_embeddings=max_len,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", is_qwen2)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from engine.batch import ScheduledRequest, SchedulerOutput
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import AdapterError, LoRAAdapter, LoRAModule, load_adapter
 from engine.lora.store import AdapterStore, content_hash
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 
 MAX_NEW = 12

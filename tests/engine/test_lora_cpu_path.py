@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from engine.kernels.sgmv import Segments, sgmv_expand_reference, sgmv_shrink_reference
 from engine.lora.adapter import TARGETS, LoRAAdapter, LoRAModule, module_shapes
 from engine.lora.manager import PROJECTIONS, CpuPlan, LoRAManager
-from engine.models.llama import ModelConfig
+from engine.models.model_config import ModelConfig
 
 NUM_SLOTS, MAX_RANK = 6, 16
 
