@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import redis
 
 from engine import protocol
+from engine.events import EventWriter
+from engine.intake import Intake
 from engine.outputs import Usage
-
-if TYPE_CHECKING:
-    from engine.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,14 @@ _BATCH = 100
 
 
 class Recovery:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.client = worker.client
+    def __init__(self, client: redis.Redis, events: EventWriter, intake: Intake, *,
+                 engine_id: str, claim_min_idle_s: float) -> None:
+        self.client = client
+        self.events = events
+        self.intake = intake
+        self.stream = events.stream
+        self.engine_id = engine_id
+        self.claim_min_idle_s = claim_min_idle_s
 
     def run(self, *, own: bool = False) -> int:
         """Claims and settles dead engines' entries; returns how many it claimed.
@@ -42,40 +48,38 @@ class Recovery:
         ``own``: this engine's own pending entries, at start-up: an earlier process
         with the same engine_id died holding them.
         """
-        w = self.worker
-        min_idle_ms = 0 if own else int(w.config.claim_min_idle_s * 1000)
+        min_idle_ms = 0 if own else int(self.claim_min_idle_s * 1000)
         pending = self.client.xpending_range(
-            w.stream, protocol.ENGINE_GROUP, min="-", max="+", count=_BATCH,
-            consumername=w.engine_id if own else None, idle=min_idle_ms or None)
+            self.stream, protocol.ENGINE_GROUP, min="-", max="+", count=_BATCH,
+            consumername=self.engine_id if own else None, idle=min_idle_ms or None)
         if own:
             ids = [p["message_id"] for p in pending]
         else:
-            owners = {_text(p["consumer"]) for p in pending} - {w.engine_id}
+            owners = {_text(p["consumer"]) for p in pending} - {self.engine_id}
             alive = self.alive(owners)
             ids = [p["message_id"] for p in pending
                    if _text(p["consumer"]) in owners - alive]
         if ids:
-            claimed = self.client.xclaim(w.stream, protocol.ENGINE_GROUP, w.engine_id,
+            claimed = self.client.xclaim(self.stream, protocol.ENGINE_GROUP, self.engine_id,
                                          min_idle_time=min_idle_ms, message_ids=ids)
             log.warning("engine %s claimed %d request(s) left by dead engines",
-                        w.engine_id, len(claimed))
+                        self.engine_id, len(claimed))
             for entry_id, fields in claimed:
                 if fields:
                     self.settle(entry_id, fields)
                 else:  # deleted from the stream while pending (Redis < 7 still lists it)
-                    w.events.drop(entry_id)
+                    self.events.drop(entry_id)
         if not own:
             self.forget_dead_consumers()
         return len(ids)
 
     def settle(self, entry_id: bytes, fields: Any) -> None:
-        w = self.worker
-        request = w.decode_entry(entry_id, fields)
+        request = self.intake.decode(entry_id, fields)
         if request is None:
             return
         raw = self.client.xrange(protocol.events_stream(request.request_id))
         if not raw:
-            w.start(entry_id, request)
+            self.intake.start(entry_id, request)
             return
         try:
             events = [protocol.Event.decode(f) for _, f in raw]
@@ -83,14 +87,14 @@ class Recovery:
             log.warning("events of request %s do not decode", request.request_id)
             events = []
         if events and events[-1].is_final:
-            w.events.drop(entry_id)
+            self.events.drop(entry_id)
             return
         made = sum(len(e.data.get("token_ids", [])) for e in events
                    if e.type == protocol.EV_DELTA)
         usage = Usage(prompt_tokens=len(request.prompt_token_ids) if made else 0,
                       completion_tokens=made)
         seq = events[-1].seq + 1 if events else len(raw)
-        w.events.write_final(entry_id, request.request_id, protocol.Event(
+        self.events.write_final(entry_id, request.request_id, protocol.Event(
             seq, protocol.EV_ERROR, {"code": protocol.ERROR_ENGINE_LOST,
                                      "message": "the engine running this request stopped",
                                      "usage": usage.to_dict()}), request=request)
@@ -109,20 +113,18 @@ class Recovery:
 
     def forget_dead_consumers(self) -> None:
         """Removes dead engines with nothing pending from the group, so it does not grow."""
-        w = self.worker
-        consumers = self.client.xinfo_consumers(w.stream, protocol.ENGINE_GROUP)
-        idle_ms = w.config.claim_min_idle_s * 1000
+        consumers = self.client.xinfo_consumers(self.stream, protocol.ENGINE_GROUP)
+        idle_ms = self.claim_min_idle_s * 1000
         candidates = {_text(c["name"]) for c in consumers
-                      if not c["pending"] and c["idle"] >= idle_ms} - {w.engine_id}
+                      if not c["pending"] and c["idle"] >= idle_ms} - {self.engine_id}
         for name in candidates - self.alive(candidates):
             self.forget_consumer(name)
 
     def forget_consumer(self, name: str) -> None:
-        w = self.worker
-        pending = self.client.xpending_range(w.stream, protocol.ENGINE_GROUP, min="-",
+        pending = self.client.xpending_range(self.stream, protocol.ENGINE_GROUP, min="-",
                                              max="+", count=1, consumername=name)
         if not pending:
-            self.client.xgroup_delconsumer(w.stream, protocol.ENGINE_GROUP, name)
+            self.client.xgroup_delconsumer(self.stream, protocol.ENGINE_GROUP, name)
 
 
 def _text(value: str | bytes) -> str:

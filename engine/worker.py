@@ -8,7 +8,6 @@ then) → admit new requests → abort cancelled ones → ``engine.step()`` → 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -26,6 +25,7 @@ import redis
 
 from engine import protocol
 from engine.events import EventWriter
+from engine.intake import Intake
 from engine.outputs import EngineCore, RequestOutput, Usage
 from engine.recovery import Recovery
 
@@ -58,7 +58,10 @@ class Worker:
         self.config = config
         self.stream = protocol.request_stream(model_name)
         self.events = EventWriter(client, self.stream)
-        self.recovery = Recovery(self)
+        self.intake = Intake(client, engine, self.events, model_name=model_name,
+                             engine_id=engine_id)
+        self.recovery = Recovery(client, self.events, self.intake, engine_id=engine_id,
+                                 claim_min_idle_s=config.claim_min_idle_s)
         self.started_at = time.time()
         self.steps = 0
         self._next_heartbeat = 0.0
@@ -160,63 +163,9 @@ class Worker:
                                        {self.stream: ">"}, count=room, block=block)
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                request = self.decode_entry(entry_id, fields)
+                request = self.intake.decode(entry_id, fields)
                 if request is not None:
-                    self.start(entry_id, request)
-
-    def decode_entry(self, entry_id: bytes, fields: Any) -> protocol.EngineRequest | None:
-        """The entry's request, or None after dropping a malformed entry (and saying so)."""
-        message = "malformed request entry"
-        try:
-            request = protocol.EngineRequest.decode(fields)
-            if not request.request_id:
-                raise ValueError("request_id must be a non-empty string")
-            return request
-        except Exception as exc:  # noqa: BLE001 - whatever a client wrote, the worker stays up
-            log.warning("dropping malformed request entry %s on %s", entry_id, self.stream)
-            if isinstance(exc, ValueError):
-                message = f"{message}: {exc}"[:300]
-        request_id = _request_id_of(fields)
-        if request_id and request_id not in self.events.open:
-            self.events.finish_unstarted(entry_id, request_id, protocol.EV_ERROR, {
-                "code": protocol.ERROR_INVALID_REQUEST, "message": message})
-        else:
-            self.events.drop(entry_id)
-        return None
-
-    def start(self, entry_id: bytes, request: protocol.EngineRequest) -> None:
-        """Accepts a request into the engine, or finishes it at once (cancelled, late, invalid)."""
-        rid = request.request_id
-        if rid in self.events.open:
-            log.warning("request %s is already running here; dropping entry %s", rid, entry_id)
-            self.events.drop(entry_id)
-            return
-        refusal = None
-        if self.client.exists(protocol.cancel_key(rid)):
-            refusal = protocol.EV_FINISH, {"finish_reason": protocol.FINISH_CANCELLED}
-        elif request.deadline is not None and time.time() >= request.deadline:
-            refusal = protocol.EV_FINISH, {"finish_reason": protocol.FINISH_DEADLINE}
-        elif request.version > protocol.PROTOCOL_VERSION:
-            refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
-                                          "message": f"protocol version {request.version} is "
-                                                     f"newer than this engine's"}
-        elif request.model != self.model_name:
-            refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
-                                          "message": f"this engine serves {self.model_name!r}"}
-        else:
-            try:
-                self.engine.add_request(request)
-            except ValueError as exc:
-                refusal = protocol.EV_ERROR, {"code": protocol.ERROR_INVALID_REQUEST,
-                                              "message": str(exc)}
-            except Exception:  # noqa: BLE001 - refuse this request, keep serving the others
-                log.exception("starting request %s failed", rid)
-                refusal = protocol.EV_ERROR, {"code": protocol.ERROR_ENGINE,
-                                              "message": "the engine could not start this request"}
-        if refusal is not None:
-            self.events.finish_unstarted(entry_id, rid, *refusal)
-        else:
-            self.events.accept(entry_id, request, self.engine_id)
+                    self.intake.start(entry_id, request)
 
     def abort_cancelled(self) -> None:
         """One pipelined EXISTS over the cancel keys of everything this engine holds."""
@@ -251,15 +200,6 @@ class Worker:
         out = self.engine.abort_request(request_id, reason)
         return out or RequestOutput(request_id, finished=True, finish_reason=reason,
                                     usage=Usage())
-
-
-def _request_id_of(fields: Any) -> str | None:
-    """The request id of an entry that did not decode, when one can be read safely."""
-    try:
-        value = json.loads(fields.get(b"data", fields.get("data"))).get("request_id")
-    except Exception:  # noqa: BLE001
-        return None
-    return value if isinstance(value, str) and 0 < len(value) <= 200 else None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -315,7 +255,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             return ReferenceEngine(model_dir, device=device)
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
-        from engine.models.llama import ModelConfig
+        from engine.models.model_config import ModelConfig
 
         dtype = args.dtype
         if dtype is None:
