@@ -9,9 +9,9 @@ import time
 import pytest
 from django.db import IntegrityError
 
-from billing import services
 from billing.ingest import drain, ensure_group, ingest_batch
 from billing.models import UsageDeadLetter, UsageRecord
+from billing.services import ledger
 from engine import protocol
 from tests.factories import key_factory
 
@@ -118,7 +118,7 @@ def test_bad_reports_are_dead_lettered_and_never_block_the_good_ones(client, ten
 
 def test_dead_letters_are_logged(client, tenant, caplog):
     client.xadd(protocol.USAGE_STREAM, {"data": "{not json"})
-    with caplog.at_level("ERROR", logger="billing.services"):
+    with caplog.at_level("ERROR", logger="billing.services.ledger"):
         drain(client)
     assert any("dead-lettered" in r.getMessage() for r in caplog.records)
 
@@ -137,14 +137,14 @@ def test_a_dead_letter_redelivered_after_a_crash_is_recorded_once(client, tenant
 def test_a_report_the_database_refuses_is_dead_lettered_alone(client, tenant, monkeypatch):
     """A refusal no check foresaw (here: an integrity error on one request) costs that
     report only: the batch is retried one by one."""
-    real = services._ledger_write
+    real = ledger._ledger_write
 
     def refuse_poison(events):
         if any(e.request_id == "poison" for e in events):
             raise IntegrityError("violates a constraint")
         return real(events)
 
-    monkeypatch.setattr(services, "_ledger_write", refuse_poison)
+    monkeypatch.setattr(ledger, "_ledger_write", refuse_poison)
     _send(client, _report(tenant, "a"), _report(tenant, "poison"), _report(tenant, "b"))
     assert drain(client) == 2
     assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["a", "b"]
@@ -160,7 +160,7 @@ def test_a_database_outage_leaves_the_batch_pending_for_a_retry(client, tenant, 
 
     _send(client, _report(tenant, "later"))
     with monkeypatch.context() as m:
-        m.setattr(services, "_ledger_write", down)
+        m.setattr(ledger, "_ledger_write", down)
         with pytest.raises(OperationalError):
             ingest_batch(client, consumer="c1")
     assert UsageDeadLetter.objects.count() == 0

@@ -1,0 +1,73 @@
+"""Writes of prices: a new price supersedes the one before it and is never edited."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import transaction
+
+from atrium.errors import Conflict, InvalidRequest
+from billing.models import Price
+from tenants.facade import Actor, audit_record
+
+
+def price_create(*, model: str, input_per_million: Decimal, cached_input_per_million: Decimal,
+                 output_per_million: Decimal, effective_from: datetime, adapter: str = "",
+                 currency: str | None = None, actor: Actor | None = None) -> Price:
+    """A new price from ``effective_from`` on; it supersedes the one before, never edits it."""
+    currency = currency or settings.ATRIUM_BILLING_CURRENCY
+    if currency != settings.ATRIUM_BILLING_CURRENCY:
+        raise InvalidRequest(f"this deployment bills in {settings.ATRIUM_BILLING_CURRENCY}; "
+                             f"a price in {currency} would never apply", param="currency",
+                             code="invalid_value")
+    amounts = (input_per_million, cached_input_per_million, output_per_million)
+    if any(a < 0 for a in amounts):
+        raise InvalidRequest("prices are never negative", code="invalid_value")
+    if Price.objects.filter(model=model, adapter=adapter, currency=currency,
+                            effective_from=effective_from).exists():
+        raise Conflict(f"a price for '{model}{'+' + adapter if adapter else ''}' already "
+                       f"starts at {effective_from.isoformat()}; prices are never edited",
+                       param="effective_from")
+    with transaction.atomic():
+        price = Price.objects.create(
+            model=model, adapter=adapter, currency=currency, input_per_million=input_per_million,
+            cached_input_per_million=cached_input_per_million,
+            output_per_million=output_per_million, effective_from=effective_from)
+        if actor is not None:
+            audit_record(tenant=None, actor=actor, action="price.create", target_type="price",
+                         target_id=price.pk, after={
+                             "model": model, "adapter": adapter, "currency": currency,
+                             "input_per_million": str(input_per_million),
+                             "cached_input_per_million": str(cached_input_per_million),
+                             "output_per_million": str(output_per_million),
+                             "effective_from": effective_from})
+    return price
+
+
+def price_in_effect(*, model: str, adapter: str = "", at: datetime,
+                    currency: str | None = None) -> Price | None:
+    return (Price.objects.filter(model=model, adapter=adapter,
+                                 currency=currency or settings.ATRIUM_BILLING_CURRENCY,
+                                 effective_from__lte=at)
+            .order_by("-effective_from").first())
+
+
+class PriceIndex:
+    """Every price of the models in one batch, in the billing currency, looked up in memory."""
+
+    def __init__(self, models_: set[str], currency: str) -> None:
+        self.currency = currency
+        self.prices: dict[tuple[str, str], list[Price]] = {}
+        for price in Price.objects.filter(model__in=models_, currency=currency) \
+                .order_by("effective_from"):
+            self.prices.setdefault((price.model, price.adapter), []).append(price)
+
+    def at(self, model: str, adapter: str, when: datetime) -> Price | None:
+        found = None
+        for price in self.prices.get((model, adapter), ()):
+            if price.effective_from > when:
+                break
+            found = price
+        return found
