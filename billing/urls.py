@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from billing import apis
+from billing.apis import exports, invoices, prices, spend, usage
 from tenants.apis.base import endpoint
 
 app_name = "billing"
@@ -12,22 +12,22 @@ app_name = "billing"
 TENANT = "tenants/<slug:slug>"
 
 urlpatterns = [
-    path("prices", endpoint(apis.PriceListApi, apis.PriceCreateApi), name="prices"),
-    path("plans/<slug:plan_slug>/spend-cap", endpoint(apis.PlanSpendCapUpdateApi),
+    path("prices", endpoint(prices.PriceListApi, prices.PriceCreateApi), name="prices"),
+    path("plans/<slug:plan_slug>/spend-cap", endpoint(spend.PlanSpendCapUpdateApi),
          name="plan-spend-cap"),
-    path("usage-dead-letters", endpoint(apis.UsageDeadLetterListApi),
+    path("usage-dead-letters", endpoint(usage.UsageDeadLetterListApi),
          name="usage-dead-letters"),
-    path(f"{TENANT}/usage", endpoint(apis.UsageListApi), name="usage"),
-    path(f"{TENANT}/usage/requests/<str:request_id>", endpoint(apis.UsageRecordDetailApi),
+    path(f"{TENANT}/usage", endpoint(usage.UsageListApi), name="usage"),
+    path(f"{TENANT}/usage/requests/<str:request_id>", endpoint(usage.UsageRecordDetailApi),
          name="usage-record"),
-    path(f"{TENANT}/spend", endpoint(apis.SpendDetailApi), name="spend"),
-    path(f"{TENANT}/spend-cap", endpoint(apis.SpendCapUpdateApi), name="spend-cap"),
-    path(f"{TENANT}/invoices", endpoint(apis.InvoiceListApi), name="invoices"),
-    path(f"{TENANT}/invoices/<int:invoice_id>", endpoint(apis.InvoiceDetailApi),
+    path(f"{TENANT}/spend", endpoint(spend.SpendDetailApi), name="spend"),
+    path(f"{TENANT}/spend-cap", endpoint(spend.SpendCapUpdateApi), name="spend-cap"),
+    path(f"{TENANT}/invoices", endpoint(invoices.InvoiceListApi), name="invoices"),
+    path(f"{TENANT}/invoices/<int:invoice_id>", endpoint(invoices.InvoiceDetailApi),
          name="invoice"),
-    path(f"{TENANT}/exports", endpoint(apis.ExportListApi, apis.ExportCreateApi),
+    path(f"{TENANT}/exports", endpoint(exports.ExportListApi, exports.ExportCreateApi),
          name="exports"),
-    path(f"{TENANT}/exports/<int:export_id>", endpoint(apis.ExportDetailApi), name="export"),
-    path(f"{TENANT}/exports/<int:export_id>/content", endpoint(apis.ExportContentApi),
+    path(f"{TENANT}/exports/<int:export_id>", endpoint(exports.ExportDetailApi), name="export"),
+    path(f"{TENANT}/exports/<int:export_id>/content", endpoint(exports.ExportContentApi),
          name="export-content"),
 ]

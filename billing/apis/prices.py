@@ -1,0 +1,79 @@
+"""The price book (operators): every price, past and future; a new one supersedes the last."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
+from rest_framework import serializers, status
+from rest_framework.response import Response
+
+from atrium.errors import InvalidRequest
+from billing import selectors, services
+from billing.apis.common import PRICE, query_dict
+from tenants.apis.base import Api, StrictSerializer, listing, validated
+from tenants.apis.serializers import list_of
+
+
+@extend_schema_serializer(component_name="Price")
+class PriceSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    object = serializers.SerializerMethodField()
+    model = serializers.CharField()
+    adapter = serializers.CharField(help_text="empty: the model's base price; set: a "
+                                    "surcharge added to it for this adapter")
+    currency = serializers.CharField()
+    input_per_million = serializers.DecimalField(**PRICE)
+    cached_input_per_million = serializers.DecimalField(**PRICE)
+    output_per_million = serializers.DecimalField(**PRICE)
+    effective_from = serializers.DateTimeField()
+    created_at = serializers.DateTimeField()
+
+    def get_object(self, price: Any) -> str:
+        return "price"
+
+
+class PriceListApi(Api):
+    class FilterSerializer(StrictSerializer):
+        model = serializers.CharField(max_length=200, required=False)
+        adapter = serializers.CharField(max_length=200, required=False, allow_blank=True)
+
+    OutputSerializer = list_of(PriceSerializer, "PriceList")
+
+    @extend_schema(tags=["prices"], summary="The price book: every price, past and future",
+                   responses=OutputSerializer, parameters=[
+                       OpenApiParameter("model", str), OpenApiParameter("adapter", str)])
+    def get(self, request) -> Response:
+        query = validated(PriceListApi.FilterSerializer, query_dict(request))
+        prices = selectors.price_list(model=query.get("model"), adapter=query.get("adapter"))
+        return Response(listing(PriceSerializer(prices, many=True).data))
+
+
+class PriceCreateApi(Api):
+    class InputSerializer(StrictSerializer):
+        model = serializers.CharField(max_length=200)
+        adapter = serializers.CharField(max_length=200, required=False, default="",
+                                        allow_blank=True)
+        currency = serializers.RegexField(r"^[A-Z]{3}$", required=False)
+        input_per_million = serializers.DecimalField(**PRICE)
+        cached_input_per_million = serializers.DecimalField(**PRICE)
+        output_per_million = serializers.DecimalField(**PRICE)
+        effective_from = serializers.DateTimeField(
+            required=False, help_text="default: now; never in the past")
+
+    @extend_schema(tags=["prices"], summary="Add a price from a date on (operators); prices "
+                   "are never edited, only superseded", request=InputSerializer,
+                   responses={201: PriceSerializer})
+    def post(self, request) -> Response:
+        actor = self.staff_actor()
+        data = validated(PriceCreateApi.InputSerializer, request.data)
+        now = timezone.now()
+        effective_from = data.pop("effective_from", None) or now
+        if effective_from < now - timedelta(minutes=1):
+            raise InvalidRequest("'effective_from' is in the past: a price never changes what "
+                                 "was already billed", param="effective_from",
+                                 code="invalid_value")
+        price = services.price_create(actor=actor, effective_from=effective_from, **data)
+        return Response(PriceSerializer(price).data, status=status.HTTP_201_CREATED)
