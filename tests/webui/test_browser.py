@@ -279,8 +279,11 @@ def test_every_page_renders_without_a_script_or_policy_error(new_page, world, ap
     assert errors == []
 
 
+# A table overflows when it runs past its wrapper (scrolls), or its wrapper past the window
+# (is cut off: a page wider than the window).
 OVERFLOWING_TABLES = """() => [...document.querySelectorAll('.table-wrap')]
-    .filter(w => w.scrollWidth > w.clientWidth + 1)
+    .filter(w => w.scrollWidth > w.clientWidth + 1
+                 || w.getBoundingClientRect().right > document.documentElement.clientWidth)
     .map(w => (w.querySelector('table') || w).id || 'a table')"""
 
 

@@ -347,7 +347,9 @@ def test_a_tenant_without_members_says_how_to_add_one(world):
     page = _client(world.staff).get(reverse("webui:members", kwargs={"slug": "empty"}))
     body = page.content.decode()
     assert 'id="members-empty"' in body and 'id="members"' not in body
-    assert "No members yet" in body and "atrium create-user EMAIL --tenant empty" in body
+    assert "No members yet" in body and 'href="#invite"' in body and 'id="invite"' in body
+    assert "one-time token" in body  # what the invite form gives; it sends no email
+    assert "atrium create-user EMAIL --tenant empty</code>" in body  # the CLI's role: owner
     assert reverse("webui:op-tenant", kwargs={"slug": "empty"}) in body
     listed = _client(world.staff).get(reverse("webui:members", kwargs={"slug": "acme"}))
     assert 'id="members-empty"' not in listed.content.decode()
