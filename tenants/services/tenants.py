@@ -1,0 +1,119 @@
+"""Tenants and the plans they are on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.utils.text import slugify
+
+from atrium.errors import Conflict, InvalidRequest
+from tenants.access import SYSTEM, Actor
+from tenants.models import QUOTA_FIELDS, Plan, Tenant
+from tenants.services.audit import audit_record
+from tenants.services.key_refresh import tenant_keys_refresh
+from tenants.services.quotas import validated_plan_limits
+
+DEFAULT_PLAN: dict[str, Any] = {
+    "slug": "default", "name": "Default", "priority": 5,
+    "requests_per_minute": 600, "tokens_per_minute": 1_000_000,
+    "max_concurrent_requests": 64,
+}
+
+
+class TenantError(InvalidRequest):
+    """A tenant cannot be created as asked (operator commands print the message)."""
+
+
+def _plan_snapshot(plan: Plan) -> dict[str, Any]:
+    return {"slug": plan.slug, "name": plan.name, "priority": plan.priority,
+            **{f: getattr(plan, f) for f in QUOTA_FIELDS}}
+
+
+def plan_get_default() -> Plan:
+    plan, _ = Plan.objects.get_or_create(slug=DEFAULT_PLAN["slug"], defaults=DEFAULT_PLAN)
+    return plan
+
+
+@transaction.atomic
+def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
+                requests_per_minute: int, tokens_per_minute: int, max_concurrent_requests: int,
+                max_prompt_tokens: int | None = None, max_output_tokens: int | None = None,
+                monthly_token_cap: int | None = None) -> Plan:
+    if Plan.objects.filter(slug=slug).exists():
+        raise Conflict(f"plan '{slug}' already exists", param="slug")
+    validated_plan_limits({
+        "requests_per_minute": requests_per_minute, "tokens_per_minute": tokens_per_minute,
+        "max_concurrent_requests": max_concurrent_requests,
+        "max_prompt_tokens": max_prompt_tokens, "max_output_tokens": max_output_tokens,
+        "monthly_token_cap": monthly_token_cap})
+    plan = Plan.objects.create(
+        slug=slug, name=name, priority=priority, requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute, max_concurrent_requests=max_concurrent_requests,
+        max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
+        monthly_token_cap=monthly_token_cap)
+    audit_record(tenant=None, actor=actor, action="plan.create", target_type="plan",
+                 target_id=plan.slug, after=_plan_snapshot(plan))
+    return plan
+
+
+_PLAN_FIELDS = ("name", "priority", *QUOTA_FIELDS)
+
+
+@transaction.atomic
+def plan_update(*, actor: Actor, plan: Plan, changes: dict[str, Any]) -> Plan:
+    plan = Plan.objects.select_for_update().get(pk=plan.pk)
+    before = _plan_snapshot(plan)
+    for field in changes:
+        if field not in _PLAN_FIELDS:
+            raise InvalidRequest(f"'{field}' cannot be changed", param=field,
+                                 code="invalid_value")
+    validated_plan_limits({f: v for f, v in changes.items() if f in QUOTA_FIELDS})
+    for field, value in changes.items():
+        setattr(plan, field, value)
+    plan.save()
+    audit_record(tenant=None, actor=actor, action="plan.update", target_type="plan",
+                 target_id=plan.slug, before=before, after=_plan_snapshot(plan))
+    tenant_keys_refresh(Tenant.objects.filter(plan=plan))
+    return plan
+
+
+def tenant_create(*, name: str, slug: str | None = None, plan: Plan | None = None,
+                  actor: Actor = SYSTEM) -> Tenant:
+    slug = slug or slugify(name)
+    if not slug:
+        raise TenantError("a tenant needs a name made of letters or digits", param="name",
+                          code="invalid_value")
+    if Tenant.objects.filter(slug=slug).exists():
+        raise TenantError(f"tenant {slug!r} already exists", param="slug", code="conflict",
+                          status=409)
+    with transaction.atomic():
+        tenant = Tenant.objects.create(name=name, slug=slug, plan=plan or plan_get_default())
+        audit_record(tenant=tenant, actor=actor, action="tenant.create", target_type="tenant",
+                     target_id=tenant.slug,
+                     after={"name": tenant.name, "slug": tenant.slug, "plan": tenant.plan.slug})
+    return tenant
+
+
+def tenant_get_or_create(*, name: str, slug: str) -> Tenant:
+    tenant = Tenant.objects.filter(slug=slug).first()
+    return tenant or tenant_create(name=name, slug=slug)
+
+
+@transaction.atomic
+def tenant_update(*, tenant: Tenant, actor: Actor, name: str | None = None,
+                  plan: Plan | None = None) -> Tenant:
+    tenant = Tenant.objects.select_for_update().select_related("plan").get(pk=tenant.pk)
+    before = {"name": tenant.name, "plan": tenant.plan.slug}
+    if name is not None:
+        tenant.name = name
+    plan_changed = plan is not None and plan.pk != tenant.plan_id
+    if plan is not None:
+        tenant.plan = plan
+    tenant.save()
+    audit_record(tenant=tenant, actor=actor, action="tenant.update", target_type="tenant",
+                 target_id=tenant.slug, before=before,
+                 after={"name": tenant.name, "plan": tenant.plan.slug})
+    if plan_changed:
+        tenant_keys_refresh([tenant])
+    return tenant
