@@ -2,6 +2,8 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,30 +104,37 @@ class _Lines(logging.Handler):
         self.lines.append(json.loads(self.format(record)))
 
 
-@pytest.fixture
-def captured():
-    """JSON lines of every logger, as settings.LOGGING and the engine worker format them."""
-    handler, root = _Lines(), logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    yield handler.lines
-    root.removeHandler(handler)
-    root.setLevel(level)
+@contextmanager
+def _captured(name: str) -> Iterator[list[dict]]:
+    """Logger ``name``'s lines as the JSON formatter writes them.
+
+    NOTE: on the logger itself, not the root: a uvicorn server started by an earlier
+    test configures "uvicorn" not to propagate and "uvicorn.error" to WARNING.
+    """
+    handler, logger = _Lines(), logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 @pytest.mark.parametrize(("host", "url"), [
     ("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://0.0.0.0:8000"),
     ("::1", "http://[::1]:8000"), ("::", "http://[::]:8000"),
     ("localhost", "http://localhost:8000")])
-def test_uvicorns_startup_line_keeps_its_url(captured, host, url):
+def test_uvicorns_startup_line_keeps_its_url(host, url):
     import uvicorn
     from uvicorn.server import Server
 
     config = uvicorn.Config("atrium.asgi:application", host=host, port=8000, log_config=None)
     config.ssl = None  # set by Config.load(), which this test does not need
-    Server(config)._log_started_message([])
-    [line] = [entry for entry in captured if entry["logger"] == "uvicorn.error"]
+    with _captured("uvicorn.error") as lines:
+        Server(config)._log_started_message([])
+    [line] = lines
     assert line["msg"] == f"Uvicorn running on {url} (Press CTRL+C to quit)"
 
 
@@ -135,12 +144,13 @@ def test_uvicorns_terminal_colour_copy_of_a_line_is_left_out():
     assert line["msg"] == "Started server process [42]" and "color_message" not in line
 
 
-def test_the_engines_metrics_line_keeps_its_url(captured):
+def test_the_engines_metrics_line_keeps_its_url():
     from engine.metrics_server import serve_metrics
 
-    server = serve_metrics(lambda: None, port=0, labels={})
+    with _captured("engine.metrics_server") as lines:
+        server = serve_metrics(lambda: None, port=0, labels={})
     try:
-        [line] = [entry for entry in captured if entry["logger"] == "engine.metrics_server"]
+        [line] = lines
         port = server.server_address[1]
         assert line["msg"] == f"Prometheus metrics on http://127.0.0.1:{port}/metrics"
     finally:
