@@ -10,9 +10,10 @@ import pytest
 
 from atrium.celery import celery_redis_url
 
+# What services queue through (adapters/queue.py, billing/queue.py): Celery's current app.
 SHOW_BROKER = ("import django; django.setup(); "
-               "from adapters.tasks import adapter_validate as t; "
-               "print(t.app.main, t.app.conf.broker_url, t.app.conf.result_backend)")
+               "from celery import current_app as app; "
+               "print(app.main, app.conf.broker_url, app.conf.result_backend)")
 
 
 def _run(args: list[str], tmp_path, **env: str) -> subprocess.CompletedProcess:
