@@ -304,8 +304,15 @@ def _usage(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _raise_for_final(event: protocol.Event) -> None:
+    """The engine's last word as the client's error: a request it refused as invalid (one
+    that cannot fit its KV cache, an adapter that cannot load) is the client's 400; its
+    own failures are 502."""
     if event.type == protocol.EV_ERROR:
-        raise EngineFailed(f"the engine failed this request ({event.data.get('code')})")
+        code = event.data.get("code")
+        if code == protocol.ERROR_INVALID_REQUEST:
+            message = str(event.data.get("message") or "the engine refused this request")
+            raise InvalidRequest(message[:500], code="invalid_request")
+        raise EngineFailed(f"the engine failed this request ({code})")
     if event.data.get("finish_reason") == protocol.FINISH_DEADLINE:
         raise DeadlineExceeded("the request did not finish before its deadline")
     if event.data.get("finish_reason") == protocol.FINISH_CANCELLED:
