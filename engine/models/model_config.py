@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.layers.rotary import rope_parameters
+from engine.models.context import context_window
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -58,12 +59,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         is_qwen2 = raw.get("model_type") == "qwen2" or arch == "Qwen2ForCausalLM"
-        window = raw.get("sliding_window")
-        max_len = raw["max_position_embeddings"]
-        if window and (raw.get("use_sliding_window", True) if is_qwen2 else True):
-            # NOTE: attention here is always full; a context no longer than the window
-            # makes that exact, so the window caps the context instead.
-            max_len = min(max_len, window)
+        max_len = context_window(raw)
         return cls(
             raw=raw, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],

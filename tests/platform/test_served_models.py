@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -54,3 +55,25 @@ def test_the_inference_api_does_not_import_torch():
             "django.setup(); import atrium.inference.views, atrium.inference.consumers, "
             "atrium.asgi; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("window, use, expected", [(64, None, 64), (4096, None, "full"),
+                                                    (64, False, "full")])
+def test_a_sliding_window_caps_the_served_context_as_the_engine_does(
+        tiny_model_path, tmp_path, window, use, expected):
+    import shutil
+
+    from engine.models.model_config import ModelConfig
+
+    model = tmp_path / "windowed"
+    shutil.copytree(tiny_model_path, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(sliding_window=window, model_type="qwen2",
+                  architectures=["Qwen2ForCausalLM"])
+    if use is not None:
+        config["use_sliding_window"] = use
+    (model / "config.json").write_text(json.dumps(config))
+    served = load_served_model(model, "windowed").context_window
+    full = config["max_position_embeddings"]
+    assert served == (full if expected == "full" else expected)
+    assert served == ModelConfig.from_dir(model).max_position_embeddings

@@ -19,6 +19,8 @@ import jinja2.sandbox
 from django.conf import settings
 from tokenizers import Tokenizer
 
+from engine.models.context import context_window
+
 DEMO_MODEL_NAME = "atrium-demo"
 
 
@@ -85,7 +87,7 @@ def load_served_model(path: Path, name: str) -> ServedModel:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         template = env.from_string(template_source)
-    context = int(config.get("max_position_embeddings") or 2048)
+    context = context_window(config)
     model_max = tok_config.get("model_max_length")
     if isinstance(model_max, int) and 0 < model_max < context:
         context = model_max
