@@ -44,8 +44,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     # Decodes first, then prefill chunks; the runner keeps this order in its result.
     requests: list[ScheduledRequest]
-    # Requests that ended since the last step: the runner drops their per-request state.
-    finished_request_ids: list[str] = field(default_factory=list)
     # (slot, adapter hash): weights the runner copies into a LoRA slot before this step.
     adapter_loads: list[tuple[int, str]] = field(default_factory=list)
 

@@ -56,10 +56,6 @@ class BlockPool:
         """Blocks that can be handed out now, cached-but-unused ones included."""
         return len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def allocate(self, n: int) -> list[KVBlock]:
         """``n`` blocks, each with one reference; evicts cached blocks as needed."""
         if n > len(self._free):

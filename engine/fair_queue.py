@@ -40,12 +40,6 @@ class FairQueue:
         tenants.move_to_end(seq.tenant_id, last=False)
         self._len += 1
 
-    def peek(self) -> Sequence | None:
-        if not self._classes:
-            return None
-        tenants = self._classes[min(self._classes)]
-        return next(iter(tenants.values()))[0]
-
     def pop(self) -> Sequence:
         """Takes the next sequence and sends its tenant to the back of the rotation."""
         priority = min(self._classes)

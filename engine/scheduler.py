@@ -45,7 +45,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
         self.num_preemptions = 0
-        self._finished_ids: list[str] = []
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -139,11 +138,10 @@ class Scheduler:
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
 
-        finished, self._finished_ids = self._finished_ids, []
         # NOTE: an empty batch never reaches the runner, so its loads wait for the next one.
         loads = self.slots.take_loads() if self.slots is not None and scheduled else []
         return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
-                               finished, loads)
+                               loads)
 
     def postprocess(self, batch: SchedulerOutput,
                     sampled: list[int | SampleFailure | None]) -> list[RequestOutput]:
@@ -225,7 +223,6 @@ class Scheduler:
         self._release_slot(seq)
         seq.status = SequenceStatus.FINISHED
         del self.sequences[seq.request_id]
-        self._finished_ids.append(seq.request_id)
         self.metrics.record_finish(reason or "error")
         return RequestOutput(seq.request_id, text_delta=text, token_ids=token_ids or [],
                              finished=True, finish_reason=reason, usage=usage_of(seq),

@@ -46,14 +46,6 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
     return price
 
 
-def price_in_effect(*, model: str, adapter: str = "", at: datetime,
-                    currency: str | None = None) -> Price | None:
-    return (Price.objects.filter(model=model, adapter=adapter,
-                                 currency=currency or settings.ATRIUM_BILLING_CURRENCY,
-                                 effective_from__lte=at)
-            .order_by("-effective_from").first())
-
-
 class PriceIndex:
     """Every price of the models in one batch, in the billing currency, looked up in memory."""
 
