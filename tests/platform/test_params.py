@@ -118,3 +118,11 @@ def test_malformed_ignored_fields_are_a_400_naming_them(extra, param):
     with pytest.raises(InvalidRequest) as refused:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize("bad", ["x", 0, -3, 1.5])
+def test_a_bad_max_tokens_is_refused_even_beside_max_completion_tokens(bad):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 5, "max_tokens": bad})
+    assert refused.value.param == "max_tokens"

@@ -152,6 +152,18 @@ def test_websocket_reports_bad_requests_per_id(api_server, tenant_key, served_mo
                             "body": {"model": "nope", "messages": []}}))
         message = json.loads(ws.recv(timeout=10))
         assert (message["id"], message["status"]) == ("x", 400)
+        for bad, param in (({"type": "request", "id": ""}, "id"),
+                           ({"type": "poke", "id": "y"}, "type"),
+                           ({"type": "request", "id": "z", "endpoint": ["chat"]}, "endpoint")):
+            ws.send(json.dumps(bad))
+            error = json.loads(ws.recv(timeout=10))["error"]
+            assert (error["param"], error["code"]) == (param, "invalid_value")
+        # None of that cost the socket: a good request still runs on it.
+        ws.send(json.dumps({"type": "request", "id": "ok", "endpoint": "completions",
+                            "body": {"model": served_model, "prompt": "hi", "max_tokens": 2}}))
+        while (message := json.loads(ws.recv(timeout=30)))["type"] == "chunk":
+            pass
+        assert (message["type"], message["id"]) == ("done", "ok")
 
 
 def test_deadline_gives_504_and_stops_the_engine(api_server, tenant_key, served_model,

@@ -84,7 +84,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         client_id = message.get("id")
         if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID:
             return await self._error(None, InvalidRequest(
-                f"'id' must be a string of 1 to {MAX_CLIENT_ID} characters", param="id"))
+                f"'id' must be a string of 1 to {MAX_CLIENT_ID} characters", param="id",
+                code="invalid_value"))
         if message.get("type") == "cancel":
             task = self.tasks.get(client_id)
             if task is not None:
@@ -92,14 +93,17 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             return
         if message.get("type") != "request":
             return await self._error(client_id, InvalidRequest(
-                "'type' must be 'request' or 'cancel'", param="type"))
-        kind = ENDPOINTS.get(message.get("endpoint"))
+                "'type' must be 'request' or 'cancel'", param="type", code="invalid_value"))
+        endpoint = message.get("endpoint")
+        kind = ENDPOINTS.get(endpoint) if isinstance(endpoint, str) else None
         if kind is None:
             return await self._error(client_id, InvalidRequest(
-                f"'endpoint' must be one of {sorted(ENDPOINTS)}", param="endpoint"))
+                f"'endpoint' must be one of {sorted(ENDPOINTS)}", param="endpoint",
+                code="invalid_value"))
         if client_id in self.tasks:
             return await self._error(client_id, InvalidRequest(
-                "a request with this id is already running on this socket", param="id"))
+                "a request with this id is already running on this socket", param="id",
+                code="duplicate_id"))
         if len(self.tasks) >= MAX_IN_FLIGHT:
             return await self._error(client_id, ApiError(
                 f"at most {MAX_IN_FLIGHT} requests may run at once on one socket",

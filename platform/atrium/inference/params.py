@@ -187,9 +187,11 @@ def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationPa
     _check_ignored(body)
     max_tokens = _optional_int(body, max_tokens_field, lo=1)
     max_tokens_param = max_tokens_field
-    if max_tokens_field != "max_tokens" and max_tokens is None:
-        max_tokens = _optional_int(body, "max_tokens", lo=1)
-        max_tokens_param = "max_tokens"
+    if max_tokens_field != "max_tokens":
+        # NOTE: checked even when max_completion_tokens wins: a bad value is still an error.
+        legacy = _optional_int(body, "max_tokens", lo=1)
+        if max_tokens is None:
+            max_tokens, max_tokens_param = legacy, "max_tokens"
     seed = _optional_int(body, "seed")
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise InvalidRequest("'seed' must fit in 64 bits", param="seed", code="invalid_value")
