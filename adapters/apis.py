@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from adapters import selectors, services
 from adapters.models import Adapter, AdapterUpload
 from adapters.naming import model_id
-from atrium.errors import InvalidRequest
+from core.errors import InvalidRequest
 from tenants import access
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 
@@ -23,13 +23,13 @@ _RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
 def _default_base_model() -> str:
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     return next(iter(served_models()))
 
 
 def _base_model(value: str | None) -> str:
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     name = value or _default_base_model()
     if name not in served_models():

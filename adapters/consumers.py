@@ -1,8 +1,9 @@
 """Adapter status changes, pushed live to a tenant's console: ``/ws/tenants/<slug>/adapters``.
 
 The socket authenticates like the management API: a console session (cookie) or an API
-key in the ``Authorization`` header; the caller must be allowed ``adapter.read`` in the
-tenant. Each message is ``{"type": "adapter.status", "id", "name", "version", "status",
+key in the ``Authorization`` header, checked by the one authenticator
+(tenants/authentication.py); the caller must be allowed ``adapter.read`` in the tenant.
+Each message is ``{"type": "adapter.status", "id", "name", "version", "status",
 "failure_reason"}``, as published by ``adapters.services``.
 """
 
@@ -15,32 +16,31 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from adapters.services import events_channel
-from atrium.errors import ApiError
-from atrium.inference.consumers import origin_allowed
-from atrium.redis import async_client
-from tenants import access, keys
+from core.errors import ApiError, AuthenticationFailed
+from core.redis import async_client
+from core.websockets import origin_allowed, scope_headers
+from tenants import access, facade
 from tenants.access import Actor
-from tenants.principals import Principal
-from tenants.selectors import key_state_by_digest, tenant_access_get
+from tenants.selectors import tenant_access_get
 
 CLOSE_FORBIDDEN = 4403
 
 
+async def _actor(authorization: str | None, user) -> Actor | None:
+    """Who connects: the key (through the one authenticator), else the session's person."""
+    if facade.is_bearer(authorization):
+        try:
+            return Actor(principal=await facade.aauthenticate(authorization))
+        except AuthenticationFailed:
+            return None  # a 503 (the key cache out of reach) is no refusal: it raises
+    if user is not None and getattr(user, "is_authenticated", False):
+        return Actor(user_id=user.pk, user_email=user.email, is_staff=user.is_staff)
+    return None
+
+
 @database_sync_to_async
-def _tenant_id(authorization: str | None, user, slug: str) -> int | None:
-    """The tenant's id if the caller may read its adapters, else None."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    if scheme.lower() == "bearer":
-        token = token.strip()
-        state = key_state_by_digest(digest=keys.digest(token)) if keys.is_well_formed(
-            token) else None
-        if not isinstance(state, Principal):
-            return None
-        actor = Actor(principal=state)
-    elif user is not None and getattr(user, "is_authenticated", False):
-        actor = Actor(user_id=user.pk, user_email=user.email, is_staff=user.is_staff)
-    else:
-        return None
+def _readable_tenant_id(actor: Actor, slug: str) -> int | None:
+    """The tenant's id if the actor may read its adapters, else None."""
     try:
         tenant_access = tenant_access_get(actor=actor, slug=slug)
         access.authorize(tenant_access, "adapter.read")
@@ -51,13 +51,13 @@ def _tenant_id(authorization: str | None, user, slug: str) -> int | None:
 
 class AdapterEventsConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in self.scope.get("headers", [])}
+        headers = scope_headers(self.scope)
         if not origin_allowed(headers.get("origin"), headers.get("host")):
             await self.close()
             return
         slug = self.scope["url_route"]["kwargs"]["slug"]
-        tenant_id = await _tenant_id(headers.get("authorization"), self.scope.get("user"), slug)
+        actor = await _actor(headers.get("authorization"), self.scope.get("user"))
+        tenant_id = None if actor is None else await _readable_tenant_id(actor, slug)
         if tenant_id is None:  # unknown tenant and no access look the same
             await self.accept()
             await self.close(code=CLOSE_FORBIDDEN)

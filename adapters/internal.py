@@ -14,7 +14,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from adapters.storage import AdapterFiles
-from atrium.downloads import FileDownload
+from core.downloads import FileDownload
 
 
 @require_GET

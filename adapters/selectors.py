@@ -88,7 +88,7 @@ def adapter_list(*, tenant) -> list[Adapter]:
 
 def adapter_get(*, tenant, adapter_id: int) -> Adapter:
     """The tenant's adapter version; another tenant's id is a 404 (NotFound)."""
-    from atrium.errors import NotFound
+    from core.errors import NotFound
 
     adapter = Adapter.objects.for_tenant(tenant).filter(pk=adapter_id).first()
     if adapter is None:
@@ -97,7 +97,7 @@ def adapter_get(*, tenant, adapter_id: int) -> Adapter:
 
 
 def upload_get(*, tenant, upload_id) -> AdapterUpload:
-    from atrium.errors import NotFound
+    from core.errors import NotFound
 
     upload = AdapterUpload.objects.for_tenant(tenant).filter(pk=upload_id).first()
     if upload is None:

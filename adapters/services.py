@@ -25,7 +25,7 @@ from adapters import archive, queue
 from adapters.models import Adapter, AdapterStatus, AdapterUpload, Visibility
 from adapters.naming import NAME
 from adapters.storage import AdapterFiles
-from atrium.errors import ApiError, InvalidRequest
+from core.errors import ApiError, InvalidRequest
 from engine import protocol
 from engine.lora.store import CONFIG_FILE, WEIGHTS_FILE
 from tenants.access import SYSTEM, Actor
@@ -242,7 +242,7 @@ def _set_status(adapter: Adapter, status: str, **fields) -> Adapter:
 
 def adapter_validate(*, adapter_id: int) -> Adapter:
     """Checks an uploaded adapter and makes it ready, or failed with a reason. Idempotent."""
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     adapter = Adapter.objects.select_related("upload").get(pk=adapter_id)
     if adapter.status in (AdapterStatus.READY, AdapterStatus.FAILED):
@@ -352,7 +352,7 @@ def adapter_delete(*, adapter: Adapter, actor: Actor = SYSTEM) -> None:
             content_hash=content_hash).exists()
     if content_hash and not shared:
         AdapterFiles().delete(content_hash)
-        from atrium.redis import sync_client
+        from core.redis import sync_client
 
         sync_client().xadd(protocol.ADAPTER_EVENTS_STREAM,
                            {"type": "deleted", "adapter_hash": content_hash},
@@ -369,7 +369,7 @@ def events_channel(tenant_id: int) -> str:
 
 def _publish(adapter: Adapter) -> None:
     """Pushes a status change to the tenant's console sockets (Redis pub/sub)."""
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     event = {"type": "adapter.status", "id": adapter.pk, "name": adapter.name,
              "version": adapter.version, "status": adapter.status,

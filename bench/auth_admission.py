@@ -49,9 +49,9 @@ def stats_us(samples: list[float]) -> dict[str, float]:
 async def main_async(args: argparse.Namespace) -> dict:
     from asgiref.sync import sync_to_async
 
-    from atrium.inference import admission
-    from atrium.inference.auth import authenticate
-    from atrium.redis import async_client
+    from core.redis import async_client
+    from inference import admission
+    from inference.auth import authenticate
     from tenants import keys
     from tenants.access import SYSTEM
     from tenants.selectors import key_state_by_digest

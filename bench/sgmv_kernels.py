@@ -18,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +48,121 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(samples) * 1e6  # microseconds
 
 
+@dataclass
+class Weights:
+    """Every slot's LoRA weights in the kernels' layout and in the engine CPU path's."""
+
+    a: torch.Tensor  # [slots, slices*r, hidden]
+    b: torch.Tensor  # [slots, out, r]
+    dense: list[tuple[torch.Tensor, torch.Tensor]]  # per slot: A, block-diagonal B
+    stacked_dense: torch.Tensor  # [slots, slices*r, out]
+    offsets: list[int]
+    rank: int
+    hidden: int
+    dtype: torch.dtype
+    device: str
+
+    @property
+    def slices(self) -> int:
+        return len(self.offsets) - 1
+
+
+def build_weights(*, hidden: int, outs: list[int], rank: int, device: str,
+                  dtype: torch.dtype, gen: torch.Generator, slots: int = 64) -> Weights:
+    slices, r = len(outs), rank
+    offsets = [0]
+    for width in outs:
+        offsets.append(offsets[-1] + width)
+    a = (torch.randn(slots, slices * r, hidden, generator=gen) * 0.05).to(dtype).to(device)
+    b = (torch.randn(slots, offsets[-1], r, generator=gen) * 0.05).to(dtype).to(device)
+    # The engine CPU path's compact block-diagonal copies.
+    dense = []
+    for slot in range(slots):
+        bd = torch.zeros(slices * r, offsets[-1], dtype=dtype, device=device)
+        for s in range(slices):
+            bd[s * r:(s + 1) * r, offsets[s]:offsets[s + 1]] = b[slot, offsets[s]:offsets[s + 1]].T
+        dense.append((a[slot].contiguous(), bd))
+    return Weights(a=a, b=b, dense=dense, stacked_dense=torch.stack([d for _, d in dense]),
+                   offsets=offsets, rank=r, hidden=hidden, dtype=dtype, device=device)
+
+
+def torch_implementations(w: Weights, x: torch.Tensor, y: torch.Tensor, seg: Segments,
+                          row_slots: list[int]) -> dict:
+    """The CPU-capable implementations, each adding the LoRA term to ``y``."""
+    slot_t = torch.tensor(row_slots, device=w.device)
+    adapter_rows = (slot_t >= 0).nonzero().flatten()
+    scales = torch.ones(w.a.shape[0], w.slices, device=w.device)
+    ranks = torch.full((w.a.shape[0],), w.rank, dtype=torch.int32, device=w.device)
+
+    def engine_cpu():
+        for start, length, slot in seg.as_list():
+            da, db = w.dense[slot]
+            y[start:start + length].addmm_(x[start:start + length] @ da.T, db)
+
+    # The engine's batched CPU path, with its slot stack built once (the engine keeps
+    # it for as long as the step's set of slots lasts).
+    plan = CpuPlan.of(seg)
+    if plan.gather is not None:
+        a_stack = torch.stack([w.dense[slot][0].T for slot in plan.slots])
+        b_stack = torch.stack([w.dense[slot][1] for slot in plan.slots])
+
+    def engine_cpu_batched():
+        if plan.gather is None:
+            return engine_cpu()  # the engine runs such a step per segment
+        apply_batched(x, y, plan, a_stack, b_stack)
+
+    def reference():
+        buf = torch.empty(len(row_slots), w.slices * w.rank, device=w.device)
+        sgmv_shrink_reference(x, w.a, buf, seg, ranks, w.rank)
+        sgmv_expand_reference(buf, w.b, y, seg, ranks, w.rank, w.offsets, scales)
+
+    def per_adapter():
+        for slot in torch.unique(slot_t[adapter_rows]).tolist():
+            idx = (slot_t == slot).nonzero().flatten()
+            da, db = w.dense[slot]
+            y.index_add_(0, idx, (x[idx] @ da.T) @ db)
+
+    def gather_bmm():
+        sl = slot_t[adapter_rows]
+        t = torch.bmm(w.a[sl], x[adapter_rows].unsqueeze(-1))  # [n, slices*r, 1]
+        stacked = w.stacked_dense[sl]  # [n, slices*r, out]
+        y.index_add_(0, adapter_rows, torch.bmm(t.transpose(1, 2), stacked).squeeze(1))
+
+    return {"engine_cpu": engine_cpu, "engine_cpu_batched": engine_cpu_batched,
+            "sgmv_reference": reference, "per_adapter_loop": per_adapter,
+            "gather_bmm": gather_bmm}
+
+
+def triton_implementation(w: Weights, x: torch.Tensor, y: torch.Tensor, seg: Segments,
+                          row_slots: list[int]):
+    from engine.kernels.sgmv import sgmv_expand, sgmv_shrink
+
+    scales = torch.ones(w.a.shape[0], w.slices, device=w.device)
+    ranks = torch.full((w.a.shape[0],), w.rank, dtype=torch.int32, device=w.device)
+
+    def triton_sgmv():
+        buf = torch.empty(len(row_slots), w.slices * w.rank, device=w.device)
+        sgmv_shrink(x, w.a, buf, seg, ranks, w.rank)
+        sgmv_expand(buf, w.b, y, seg, ranks, w.rank, w.offsets, scales)
+        torch.cuda.synchronize()
+
+    return triton_sgmv
+
+
+def measure(w: Weights, name: str, row_slots: list[int], repeat: int,
+            gen: torch.Generator) -> dict:
+    x = torch.randn(len(row_slots), w.hidden, generator=gen).to(w.dtype).to(w.device)
+    y = torch.zeros(len(row_slots), w.offsets[-1], dtype=w.dtype, device=w.device)
+    seg = Segments.from_row_slots(row_slots, w.device)
+    impls = torch_implementations(w, x, y, seg, row_slots)
+    if w.device == "cuda":
+        impls["triton_sgmv"] = triton_implementation(w, x, y, seg, row_slots)
+    row = {"layout": name, "rows": len(row_slots), "segments": len(seg)}
+    row.update({k: round(timed(fn, repeat), 1) for k, fn in impls.items()})
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hidden", type=int, default=256)
@@ -57,86 +173,14 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    slots, r, slices = 64, args.rank, len(args.outs)
-    offsets = [0]
-    for width in args.outs:
-        offsets.append(offsets[-1] + width)
-    a = (torch.randn(slots, slices * r, args.hidden, generator=gen) * 0.05).to(dtype).to(device)
-    b = (torch.randn(slots, offsets[-1], r, generator=gen) * 0.05).to(dtype).to(device)
-    scales = torch.ones(slots, slices, device=device)
-    ranks = torch.full((slots,), r, dtype=torch.int32, device=device)
-    # The engine CPU path's compact block-diagonal copies.
-    dense = []
-    for slot in range(slots):
-        bd = torch.zeros(slices * r, offsets[-1], dtype=dtype, device=device)
-        for s in range(slices):
-            bd[s * r:(s + 1) * r, offsets[s]:offsets[s + 1]] = b[slot, offsets[s]:offsets[s + 1]].T
-        dense.append((a[slot].contiguous(), bd))
-    stacked_dense = torch.stack([d for _, d in dense])  # [slots, slices*r, out]
-
-    def measure(name: str, row_slots: list[int]) -> dict:
-        x = torch.randn(len(row_slots), args.hidden, generator=gen).to(dtype).to(device)
-        y = torch.zeros(len(row_slots), offsets[-1], dtype=dtype, device=device)
-        seg = Segments.from_row_slots(row_slots, device)
-        slot_t = torch.tensor(row_slots, device=device)
-        adapter_rows = (slot_t >= 0).nonzero().flatten()
-
-        def engine_cpu():
-            for start, length, slot in seg.as_list():
-                da, db = dense[slot]
-                y[start:start + length].addmm_(x[start:start + length] @ da.T, db)
-
-        # The engine's batched CPU path, with its slot stack built once (the engine keeps
-        # it for as long as the step's set of slots lasts).
-        plan = CpuPlan.of(seg)
-        if plan.gather is not None:
-            a_stack = torch.stack([dense[slot][0].T for slot in plan.slots])
-            b_stack = torch.stack([dense[slot][1] for slot in plan.slots])
-
-        def engine_cpu_batched():
-            if plan.gather is None:
-                return engine_cpu()  # the engine runs such a step per segment
-            apply_batched(x, y, plan, a_stack, b_stack)
-
-        def reference():
-            buf = torch.empty(len(row_slots), slices * r, device=device)
-            sgmv_shrink_reference(x, a, buf, seg, ranks, r)
-            sgmv_expand_reference(buf, b, y, seg, ranks, r, offsets, scales)
-
-        def per_adapter():
-            for slot in torch.unique(slot_t[adapter_rows]).tolist():
-                idx = (slot_t == slot).nonzero().flatten()
-                da, db = dense[slot]
-                y.index_add_(0, idx, (x[idx] @ da.T) @ db)
-
-        def gather_bmm():
-            sl = slot_t[adapter_rows]
-            t = torch.bmm(a[sl], x[adapter_rows].unsqueeze(-1))  # [n, slices*r, 1]
-            stacked = stacked_dense[sl]  # [n, slices*r, out]
-            y.index_add_(0, adapter_rows, torch.bmm(t.transpose(1, 2), stacked).squeeze(1))
-
-        impls = {"engine_cpu": engine_cpu, "engine_cpu_batched": engine_cpu_batched,
-                 "sgmv_reference": reference,
-                 "per_adapter_loop": per_adapter, "gather_bmm": gather_bmm}
-        if device == "cuda":
-            from engine.kernels.sgmv import sgmv_expand, sgmv_shrink
-
-            def triton_sgmv():
-                buf = torch.empty(len(row_slots), slices * r, device=device)
-                sgmv_shrink(x, a, buf, seg, ranks, r)
-                sgmv_expand(buf, b, y, seg, ranks, r, offsets, scales)
-                torch.cuda.synchronize()
-
-            impls["triton_sgmv"] = triton_sgmv
-        row = {"layout": name, "rows": len(row_slots), "segments": len(seg)}
-        row.update({k: round(timed(fn, args.repeat), 1) for k, fn in impls.items()})
-        print(row, flush=True)
-        return row
-
-    rows_out = [measure(name, row_slots) for name, row_slots in LAYOUTS.items()]
+    w = build_weights(hidden=args.hidden, outs=args.outs, rank=args.rank, device=device,
+                      dtype=dtype, gen=gen)
+    rows_out = [measure(w, name, row_slots, args.repeat, gen)
+                for name, row_slots in LAYOUTS.items()]
     path = write_result("sgmv_kernels", {"device": device, "dtype": str(dtype),
                                          "hidden": args.hidden, "outs": args.outs,
-                                         "rank": r, "unit": "microseconds per call (median)",
+                                         "rank": args.rank,
+                                         "unit": "microseconds per call (median)",
                                          "rows": rows_out})
     print(f"-> {path}")
 

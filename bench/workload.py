@@ -7,7 +7,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,3 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 
-
-def as_dict(obj: Any) -> dict[str, Any]:
-    return asdict(obj)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time
 
 
 def period_of(moment: datetime) -> date:
@@ -28,7 +28,3 @@ def period_label(period: date) -> str:
 def day_start(day: date) -> datetime:
     return datetime.combine(day, time(0), tzinfo=UTC)
 
-
-def days_between(start: date, end: date) -> list[date]:
-    """Every day in [start, end)."""
-    return [start + timedelta(days=i) for i in range((end - start).days)]

@@ -16,7 +16,6 @@ from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from atrium.errors import NotFound
 from billing.models import (
     Export,
     Invoice,
@@ -28,6 +27,7 @@ from billing.models import (
 )
 from billing.money import allocate_cents, to_micro
 from billing.periods import day_start, period_after, period_of
+from core.errors import NotFound
 from tenants.facade import tenant_plans
 
 # --- prices --------------------------------------------------------------------------------

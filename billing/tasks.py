@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from atrium.redis import sync_client
 from billing import queue, services
 from billing.ingest import drain
+from core.redis import sync_client
 
 
 @shared_task(name=queue.USAGE_INGEST, acks_late=True)

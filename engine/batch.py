@@ -7,7 +7,7 @@ and turns a ``SchedulerOutput`` into one sampled token per request that asked (o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 
@@ -30,8 +30,8 @@ class ScheduledRequest:
     # keyed by (seed, n), so a recomputed or re-batched request samples the same.
     num_output_tokens: int = 0
     adapter_slot: int = -1  # LoRA slot; -1: the base model
-    # The adapter (content hash) that must be in adapter_slot: the runner checks, and loads
-    # it if the slot holds anything else.
+    # The adapter (content hash) that must be in adapter_slot: AdapterLifecycle copies it
+    # in if the slot holds anything else, and the runner refuses to run it otherwise.
     adapter_hash: str | None = None
 
     @property
@@ -44,8 +44,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     # Decodes first, then prefill chunks; the runner keeps this order in its result.
     requests: list[ScheduledRequest]
-    # (slot, adapter hash): weights the runner copies into a LoRA slot before this step.
-    adapter_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """Taking one entry of the request stream into the engine, or finishing it at once.
 
 Both ways a request reaches an engine go through here: the worker's read of new
-entries (``Worker.admit``) and recovery of a dead engine's entries that were never
+entries (``Worker.take``) and recovery of a dead engine's entries that were never
 accepted (``Recovery.settle``).
 """
 

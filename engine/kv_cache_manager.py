@@ -15,7 +15,8 @@ from engine.sequence import Sequence
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted by the scheduler, once per request, when its prompt is first admitted."""
+    """Counted once per request, when its prompt is first admitted
+    (`KVCacheManager.record_prefix_lookup`)."""
 
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, served from the cache
@@ -37,6 +38,11 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def record_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's prompt was looked up in the prefix cache on its first admission."""
+        self.stats.queries += prompt_tokens
+        self.stats.hits += cached_tokens
 
     @property
     def num_free_blocks(self) -> int:

@@ -19,15 +19,14 @@ from engine import protocol
 from engine.config import EngineConfig, eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.lora.cache import AdapterCache
-from engine.lora.slots import AdapterSlots
-from engine.lora.store import AdapterStore, is_hash
+from engine.lora.lifecycle import AdapterLifecycle
+from engine.lora.store import AdapterStore
 from engine.metrics import EngineMetrics
 from engine.model_runner import DTYPES, ModelRunner
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, usage_of
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -45,29 +44,22 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
         self.eos_token_ids = eos_token_ids(config.model_dir)
-        # LoRA: adapters load in the background into host memory (AdapterCache), then into
-        # device slots when a sequence using them is admitted (AdapterSlots, the runner).
-        self.adapters: AdapterCache | None = None
+        # LoRA: one component owns an adapter's life here (engine/lora/lifecycle.py): loads
+        # into host memory in the background, device slots, pins, holds and releases.
+        self.adapters: AdapterLifecycle | None = None
         slots = None
         if config.adapter_store is not None:
-            self.adapters = AdapterCache(
+            self.adapters = AdapterLifecycle(
                 AdapterStore(config.adapter_store, fetch_url=config.adapter_fetch_url,
                              token=config.engine_token), self.model_config,
                 max_rank=config.max_lora_rank, dtype=DTYPES[config.dtype],
-                capacity=config.max_cpu_loras)
-            for adapter_hash in config.pinned_adapters:
-                self.adapters.load_now(adapter_hash)
-                self.adapters.retain(adapter_hash)
-            slots = AdapterSlots(config.max_loras, pinned=config.pinned_adapters)
-            if len(slots.pinned) == slots.num_slots:
-                log.warning("pinned adapters fill all %d LoRA slots: requests for any other "
-                            "adapter are refused", slots.num_slots)
-        self._loading: dict[str, list[Sequence]] = {}  # adapter hash -> sequences waiting on it
-        self._adapter_of: dict[str, str] = {}  # request id -> adapter hash, until it finishes
+                host_capacity=config.max_cpu_loras, num_slots=config.max_loras,
+                pinned=config.pinned_adapters)
+            slots = self.adapters.slots
         self.runner = ModelRunner(config, self.model_config, self.max_model_len,
-                                  adapters=self.adapters.get if self.adapters else None)
-        if slots is not None:
-            self.runner.load_adapters(slots.take_loads())  # the pinned ones, before any request
+                                  enable_lora=self.adapters is not None)
+        if self.adapters is not None:
+            self.adapters.start(self.runner)  # the pinned ones, before any request
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.metrics = EngineMetrics()
@@ -83,6 +75,29 @@ class LLMEngine:
     def add_request(self, request: protocol.EngineRequest) -> None:
         params = SamplingParams.from_spec(request.sampling)
         prompt = request.prompt_token_ids
+        self._check_prompt(prompt, params)
+        adapter_hash = request.adapter_hash
+        if adapter_hash is not None:
+            self._check_adapter(request)
+        if request.request_id in self.scheduler.sequences or (
+                self.adapters is not None and self.adapters.holds_request(request.request_id)):
+            raise ValueError(f"request {request.request_id} is already in the engine")
+        scope = "\0".join((request.tenant_id, request.cache_salt,
+                           adapter_hash or request.adapter or ""))
+        seq = Sequence(
+            request_id=request.request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+            params=params, seed=params.seed if params.seed is not None else secrets.randbits(63),
+            tenant_id=request.tenant_id, priority=request.priority,
+            cache_scope=scope.encode(), deadline=request.deadline,
+            adapter_hash=adapter_hash,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        # A sequence whose adapter is still loading joins the queue once it is in host memory
+        # (_admit_loaded).
+        if adapter_hash is None or self.adapters.hold(seq):
+            self.scheduler.add(seq)
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuses (ValueError) a prompt this engine could never run."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
@@ -97,58 +112,30 @@ class LLMEngine:
             # forever once it grew past the pool.
             raise ValueError(f"{longest} tokens need more KV cache than this engine has "
                              f"({self.kv.num_blocks * self.kv.block_size} tokens)")
-        adapter_hash = request.adapter_hash
-        if adapter_hash is not None:
-            if self.adapters is None:
-                raise ValueError("this engine serves no LoRA adapters")
-            if not is_hash(adapter_hash):
-                raise ValueError("adapter_hash must be a 64-character lowercase hex hash")
-            if not self.scheduler.slots.can_ever_hold(adapter_hash):
-                # NOTE: refused, not queued: it would wait for a slot that never frees.
-                raise ValueError(f"adapter {request.adapter or adapter_hash} is not served by "
-                                 f"this engine: pinned adapters fill all its LoRA slots")
-            if not self.adapters.store.exists(adapter_hash) and not self.adapters.store.can_fetch:
-                raise ValueError(f"adapter {request.adapter or adapter_hash} is not in the "
-                                 f"adapter store")
-        if request.request_id in self.scheduler.sequences or any(
-                s.request_id == request.request_id for w in self._loading.values() for s in w):
-            raise ValueError(f"request {request.request_id} is already in the engine")
-        scope = "\0".join((request.tenant_id, request.cache_salt,
-                           adapter_hash or request.adapter or ""))
-        seq = Sequence(
-            request_id=request.request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
-            params=params, seed=params.seed if params.seed is not None else secrets.randbits(63),
-            tenant_id=request.tenant_id, priority=request.priority,
-            cache_scope=scope.encode(), deadline=request.deadline,
-            adapter_hash=adapter_hash,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
-        if adapter_hash is None:
-            self.scheduler.add(seq)
-            return
-        self.adapters.retain(adapter_hash)
-        self._adapter_of[seq.request_id] = adapter_hash
-        if adapter_hash in self.adapters:
-            self.scheduler.add(seq)
-        else:  # joins the queue once its adapter is in host memory (_admit_loaded)
-            self._loading.setdefault(adapter_hash, []).append(seq)
+
+    def _check_adapter(self, request: protocol.EngineRequest) -> None:
+        """Refuses (ValueError) an adapter this engine could never apply."""
+        if self.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        self.adapters.check(request.adapter_hash, request.adapter)
 
     def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
-        for seqs in self._loading.values():
-            for seq in seqs:
-                if seq.request_id == request_id:
-                    seqs.remove(seq)
-                    return self._settled([RequestOutput(
-                        request_id, finished=True, finish_reason=reason, usage=usage_of(seq))])[0]
+        loading = self.adapters.abort(request_id, reason) if self.adapters else None
+        if loading is not None:
+            return self._settled([loading])[0]
         return self._settled([self.scheduler.abort(request_id, reason)])[0]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or any(self._loading.values())
+        return self.scheduler.has_unfinished() or self._num_loading() > 0
+
+    def _num_loading(self) -> int:
+        return self.adapters.num_loading if self.adapters else 0
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(len(s) for s in self._loading.values())
+        return len(self.scheduler.waiting) + self._num_loading()
 
     def room(self) -> int:
         """How many more requests the worker may hand over now."""
@@ -160,6 +147,8 @@ class LLMEngine:
         if not batch.requests:
             return self._settled(outputs)
         try:
+            if self.adapters is not None:
+                self.adapters.fill_slots(self.runner, batch.requests)
             sampled = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
             log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
@@ -180,41 +169,21 @@ class LLMEngine:
         """The platform deleted this adapter: let go of it wherever nothing still uses it."""
         if self.adapters is not None:
             self.adapters.forget(adapter_hash)
-            self.scheduler.slots.forget(adapter_hash)
 
     def _admit_loaded(self) -> list[RequestOutput]:
-        """Queues sequences whose adapter finished loading; fails those whose load failed."""
-        if self.adapters is None or not self._loading:
+        """Queues sequences whose adapter finished loading; ends those whose load failed."""
+        if self.adapters is None:
             return []
-        if not self.scheduler.has_unfinished():
-            # NOTE: nothing else to run: wait for a load rather than spin (and hold the GIL).
-            self.adapters.wait(timeout=0.05)
-        ready, failed = self.adapters.poll()
-        for adapter_hash in ready:
-            for seq in self._loading.pop(adapter_hash, []):
-                self.scheduler.add(seq)
-        outputs = []
-        now = time.time()
-        for seqs in self._loading.values():
-            for seq in [s for s in seqs if s.deadline is not None and now >= s.deadline]:
-                seqs.remove(seq)
-                outputs.append(RequestOutput(seq.request_id, finished=True, usage=usage_of(seq),
-                                             finish_reason=protocol.FINISH_DEADLINE))
-        for adapter_hash, reason in failed:
-            for seq in self._loading.pop(adapter_hash, []):
-                outputs.append(RequestOutput(
-                    seq.request_id, finished=True, usage=usage_of(seq), error=reason,
-                    error_code=protocol.ERROR_INVALID_REQUEST))
+        # NOTE: with nothing else to run, wait for a load rather than spin (and hold the GIL).
+        ready, outputs = self.adapters.loaded(idle=not self.scheduler.has_unfinished())
+        for seq in ready:
+            self.scheduler.add(seq)
         return outputs
 
     def _settled(self, outputs: list[RequestOutput | None]) -> list[RequestOutput | None]:
         """Lets go of the adapters of sequences that just finished."""
         if self.adapters is not None:
-            for out in outputs:
-                if out is not None and out.finished:
-                    adapter_hash = self._adapter_of.pop(out.request_id, None)
-                    if adapter_hash is not None:
-                        self.adapters.release(adapter_hash)
+            self.adapters.release_finished(outputs)
         return outputs
 
     # -- observability --------------------------------------------------------------------

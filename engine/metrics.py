@@ -1,7 +1,8 @@
 """Engine metrics: counters, gauges and histograms, for the heartbeat and for Prometheus.
 
-Plain Python. The engine updates them each step; ``snapshot`` is what the heartbeat
-carries, and ``render_prometheus`` is the text exposition format a scraper reads.
+Plain Python. The engine updates them each step; its ``snapshot`` is what the heartbeat
+carries, and ``SnapshotCollector`` hands a snapshot to prometheus_client, which writes
+the exposition a scraper reads.
 """
 
 from __future__ import annotations
@@ -9,8 +10,15 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -57,7 +65,6 @@ class RateWindow:
 class EngineMetrics:
     prompt_tokens: int = 0  # prompt tokens run through the model (recomputation included)
     generation_tokens: int = 0
-    preemptions: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     steps: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
@@ -78,54 +85,80 @@ class EngineMetrics:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
 
 
+_GAUGES = (  # (name, snapshot key, help)
+    ("queue_depth", "waiting", "Requests waiting in the engine."),
+    ("running_sequences", "running", "Sequences in the running batch."),
+    ("kv_blocks_used", "kv_blocks_used", "KV cache blocks held by sequences."),
+    ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free (cached ones included)."),
+    ("prompt_tokens_per_second", "prompt_tokens_per_s", "Prompt tokens/s over the last 10 s."),
+    ("generation_tokens_per_second", "generation_tokens_per_s",
+     "Generated tokens/s over the last 10 s."),
+)
+_COUNTERS = (  # (name, snapshot key, help); the exposition appends _total
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    ("preemptions", "preemptions", "Sequences preempted for KV space."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens computed."),
+    ("generation_tokens", "generation_tokens", "Tokens generated."),
+)
+_HISTOGRAMS = (  # (name, snapshot key, help)
+    ("time_to_first_token_seconds", "ttft", "Time to first token."),
+    ("inter_token_latency_seconds", "itl", "Time between output tokens."),
+)
+
+
+class SnapshotCollector:
+    """One engine's metrics for prometheus_client, read from its latest snapshot at each scrape.
+
+    NOTE: a collector over the snapshot, not Counter/Gauge objects updated in place: the
+    engine thread keeps the values and a scrape runs on another thread; the snapshot is
+    replaced whole, never mutated, so a scrape reads one consistent moment without a lock.
+    """
+
+    def __init__(self, latest: Callable[[], dict[str, Any] | None],
+                 labels: dict[str, str]) -> None:
+        self._latest = latest
+        self._names = sorted(labels)
+        self._values = [str(labels[name]) for name in self._names]
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._latest()
+        if snapshot is None:
+            return
+        names, values = self._names, self._values
+        for name, key, help_text in _GAUGES:
+            gauge = GaugeMetricFamily(f"atrium_{name}", help_text, labels=names)
+            gauge.add_metric(values, snapshot[key])
+            yield gauge
+        for name, key, help_text in _COUNTERS:
+            counter = CounterMetricFamily(f"atrium_{name}", help_text, labels=names)
+            counter.add_metric(values, snapshot[key])
+            yield counter
+        finished = CounterMetricFamily("atrium_requests_finished",
+                                       "Requests ended, by finish reason.",
+                                       labels=[*names, "finish_reason"])
+        for reason, count in sorted(snapshot["requests_finished"].items()):
+            finished.add_metric([*values, reason], count)
+        yield finished
+        for name, key, help_text in _HISTOGRAMS:
+            hist = snapshot[key]
+            bounds = [*map(floatToGoString, hist["buckets"]), "+Inf"]
+            family = HistogramMetricFamily(f"atrium_{name}", help_text, labels=names)
+            family.add_metric(values, list(zip(bounds, accumulate(hist["counts"]), strict=True)),
+                              hist["sum"])
+            yield family
+
+
+def engine_registry(latest: Callable[[], dict[str, Any] | None],
+                    labels: dict[str, str]) -> CollectorRegistry:
+    """A registry of one engine's own, never the process-wide default: engines in one
+    process (the tests run several) each export only themselves."""
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(latest, labels))
+    return registry
+
+
 def render_prometheus(snapshot: dict[str, Any], labels: dict[str, str]) -> str:
-    """The text exposition format (version 0.0.4) of one engine's ``snapshot``."""
-    base = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: float,
-               extra: dict[str, str] | None = None) -> None:
-        if not any(line.startswith(f"# TYPE atrium_{name} ") for line in lines):
-            lines.append(f"# HELP atrium_{name} {help_text}")
-            lines.append(f"# TYPE atrium_{name} {kind}")
-        tags = base + "".join(f',{k}="{_escape(v)}"' for k, v in (extra or {}).items())
-        lines.append(f"atrium_{name}{{{tags}}} {value}")
-
-    metric("queue_depth", "gauge", "Requests waiting in the engine.", snapshot["waiting"])
-    metric("running_sequences", "gauge", "Sequences in the running batch.", snapshot["running"])
-    metric("kv_blocks_used", "gauge", "KV cache blocks held by sequences.",
-           snapshot["kv_blocks_used"])
-    metric("kv_blocks_free", "gauge", "KV cache blocks free (cached ones included).",
-           snapshot["kv_blocks_free"])
-    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix "
-           "cache.", snapshot["prefix_cache_queries"])
-    metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-           snapshot["prefix_cache_hits"])
-    metric("preemptions_total", "counter", "Sequences preempted for KV space.",
-           snapshot["preemptions"])
-    metric("prompt_tokens_total", "counter", "Prompt tokens computed.", snapshot["prompt_tokens"])
-    metric("generation_tokens_total", "counter", "Tokens generated.",
-           snapshot["generation_tokens"])
-    metric("prompt_tokens_per_second", "gauge", "Prompt tokens/s over the last 10 s.",
-           snapshot["prompt_tokens_per_s"])
-    metric("generation_tokens_per_second", "gauge", "Generated tokens/s over the last 10 s.",
-           snapshot["generation_tokens_per_s"])
-    for reason, count in sorted(snapshot["requests_finished"].items()):
-        metric("requests_finished_total", "counter", "Requests ended, by finish reason.", count,
-               {"finish_reason": reason})
-    for name, help_text in (("time_to_first_token_seconds", "Time to first token."),
-                            ("inter_token_latency_seconds", "Time between output tokens.")):
-        hist = snapshot["ttft" if name.startswith("time") else "itl"]
-        lines.append(f"# HELP atrium_{name} {help_text}")
-        lines.append(f"# TYPE atrium_{name} histogram")
-        cumulative = 0
-        for bound, count in zip([*hist["buckets"], "+Inf"], hist["counts"], strict=True):
-            cumulative += count
-            lines.append(f'atrium_{name}_bucket{{{base},le="{bound}"}} {cumulative}')
-        lines.append(f"atrium_{name}_sum{{{base}}} {hist['sum']}")
-        lines.append(f"atrium_{name}_count{{{base}}} {hist['count']}")
-    return "\n".join(lines) + "\n"
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    """The Prometheus text format of one engine's ``snapshot``."""
+    return generate_latest(engine_registry(lambda: snapshot, labels)).decode()

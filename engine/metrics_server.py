@@ -8,7 +8,9 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from engine.metrics import render_prometheus
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.metrics import engine_registry
 
 log = logging.getLogger(__name__)
 
@@ -16,16 +18,19 @@ log = logging.getLogger(__name__)
 def serve_metrics(latest: Callable[[], dict[str, Any] | None], *, port: int,
                   labels: dict[str, str], host: str = "127.0.0.1") -> ThreadingHTTPServer:
     """Serves ``latest()`` (the engine's last heartbeat snapshot) from a daemon thread."""
+    registry = engine_registry(latest, labels)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server interface
-            snapshot = latest()
-            if self.path.split("?")[0] != "/metrics" or snapshot is None:
-                self.send_error(404 if snapshot is not None else 503)
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
                 return
-            body = render_prometheus(snapshot, labels).encode()
+            if latest() is None:  # before the engine's first heartbeat
+                self.send_error(503)
+                return
+            body = generate_latest(registry)
             self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

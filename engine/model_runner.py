@@ -8,7 +8,6 @@ asked for one. It makes no scheduling decision.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -29,25 +28,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 adapters: Callable[[str], LoRAAdapter] | None = None) -> None:
-        """``adapters`` looks up a loaded adapter by hash; given, LoRA slots are allocated."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, *,
+                 enable_lora: bool = False) -> None:
+        """With ``enable_lora``, ``config.max_loras`` LoRA slots are allocated on the device."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.use_triton = (self.device.type == "cuda") if config.use_triton is None \
             else config.use_triton
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = LlamaForCausalLM(model_config, max_positions=max_model_len)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        self.model = LlamaForCausalLM(model_config, max_positions=max_model_len,
+                                      dtype=self.dtype, device=self.device)
         load_weights(self.model, config.model_dir)
         self.model.eval()
-        self.adapters = adapters
-        self.lora = None if adapters is None else LoRAManager(
+        self.lora = None if not enable_lora else LoRAManager(
             model_config, num_slots=config.max_loras, max_rank=config.max_lora_rank,
             dtype=self.dtype, device=self.device, use_triton=self.use_triton)
         self.num_blocks = self._num_kv_blocks(model_config)
@@ -81,13 +75,13 @@ class ModelRunner:
                              "the budget")
         return int(blocks)
 
-    def load_adapters(self, loads: list[tuple[int, str | None]]) -> None:
-        """Copies each (slot, adapter hash) in, unless the slot already holds that adapter."""
-        for slot, adapter_hash in loads:
-            if self.lora.slot_hash[slot] != adapter_hash:
-                if adapter_hash is None:
-                    raise ValueError(f"a row uses LoRA slot {slot} without naming its adapter")
-                self.lora.load_slot(slot, self.adapters(adapter_hash))
+    def adapter_in_slot(self, slot: int) -> str | None:
+        """The adapter whose copy into ``slot`` completed; None after a failed copy."""
+        return self.lora.slot_hash[slot]
+
+    def copy_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copies an adapter's weights into a LoRA slot (which ones: AdapterLifecycle's call)."""
+        self.lora.load_slot(slot, adapter)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> list[int | SampleFailure | None]:
@@ -95,11 +89,13 @@ class ModelRunner:
 
         A request whose row could not be sampled gets a ``SampleFailure``.
         """
-        self.load_adapters(batch.adapter_loads)
         reqs = batch.requests
-        # NOTE: the slots' own record (slot_hash) is the truth, not the scheduler's table: a
-        # load lost or failed earlier must never run a row with another adapter's weights.
-        self.load_adapters([(r.adapter_slot, r.adapter_hash) for r in reqs if r.adapter_slot >= 0])
+        # NOTE: fail closed: a copy lost or failed earlier must never run a row with another
+        # adapter's weights (AdapterLifecycle.fill_slots copies them in before each step).
+        for r in reqs:
+            if r.adapter_slot >= 0 and self.lora.slot_hash[r.adapter_slot] != r.adapter_hash:
+                raise RuntimeError(f"LoRA slot {r.adapter_slot} does not hold adapter "
+                                   f"{r.adapter_hash} for request {r.request_id}")
         if not reqs:
             return []
         # Decode rows (one query token) first, then prompt chunks; within each, rows of one

@@ -71,6 +71,10 @@ class ReferenceEngine:
                              f"holds {self.max_model_len} including the output")
         if self._find(request.request_id) is not None:
             raise ValueError(f"request {request.request_id} is already in the engine")
+        if request.adapter_hash is not None or request.adapter:
+            # NOTE: refused, never answered by the base model as if it were the adapter.
+            raise ValueError(f"adapter {request.adapter or request.adapter_hash} cannot be "
+                             f"served: the reference engine runs the base model only")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.waiting.append(_Active(
             request=request, params=params, seed=seed, added_at=time.monotonic(),

@@ -76,8 +76,17 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
         scheduled: dict[str, tuple[Sequence, int]] = {}  # in batch order
+        budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens)
+        # New work only when nothing had to make room this step.
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()])
+
+    def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]],
+                          budget: int) -> tuple[int, bool]:
+        """Running sequences first, preempting the lowest priority when the KV pool is
+        full; returns the token budget left and whether anything was preempted."""
         preempted = False
         # NOTE: a stable sort: decodes (one token to run) first, each group in arrival order.
         queue = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
@@ -101,14 +110,17 @@ class Scheduler:
                 scheduled[seq.request_id] = (seq, n)
                 self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 budget -= n
+        return budget, preempted
 
-        # New work only when nothing had to make room this step. A sequence whose adapter
-        # has no free slot is passed over; one that does not fit the KV pool stops the walk.
-        # NOTE: once one waits for a slot, no sequence after it takes an adapter slot, not
-        # even one whose adapter is already in: else a busy adapter's stream of requests
-        # keeps every slot busy and the one waiting never gets one. Now a slot drains.
+    def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], budget: int) -> None:
+        """Waiting sequences in fair order. A sequence whose adapter has no free slot is
+        passed over; one that does not fit the KV pool stops the walk.
+
+        NOTE: once one waits for a slot, no sequence after it takes an adapter slot, not
+        even one whose adapter is already in: else a busy adapter's stream of requests
+        keeps every slot busy and the one waiting never gets one. Now a slot drains."""
         waiting_for_slot = False
-        for seq in self.waiting.candidates() if not preempted else ():
+        for seq in self.waiting.candidates():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.adapter_hash is not None and (
@@ -121,27 +133,25 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(seq, n, computed):
                 break
-            self.waiting.take(seq)
-            if seq.adapter_hash is not None:
-                seq.adapter_slot = self.slots.acquire(seq.adapter_hash)
-            if seq.scheduled_at is None:  # its first admission, not a readmission
-                seq.scheduled_at = time.monotonic()
-                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
-                self.kv.stats.queries += seq.num_prompt_tokens
-                self.kv.stats.hits += seq.num_cached_tokens
-            seq.num_computed_tokens = num_cached
-            seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
-                                             min(num_cached, seq.num_prompt_tokens))
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start(seq, num_cached)
             scheduled[seq.request_id] = (seq, n)
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
 
-        # NOTE: an empty batch never reaches the runner, so its loads wait for the next one.
-        loads = self.slots.take_loads() if self.slots is not None and scheduled else []
-        return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
-                               loads)
+    def _start(self, seq: Sequence, num_cached: int) -> None:
+        """A waiting sequence whose KV blocks were just allocated starts (or restarts)."""
+        self.waiting.take(seq)
+        if seq.adapter_hash is not None:
+            seq.adapter_slot = self.slots.acquire(seq.adapter_hash)
+        if seq.scheduled_at is None:  # its first admission, not a readmission
+            seq.scheduled_at = time.monotonic()
+            seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            self.kv.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+        seq.num_computed_tokens = num_cached
+        seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
+                                         min(num_cached, seq.num_prompt_tokens))
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def postprocess(self, batch: SchedulerOutput,
                     sampled: list[int | SampleFailure | None]) -> list[RequestOutput]:

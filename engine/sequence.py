@@ -54,10 +54,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

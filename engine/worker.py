@@ -2,7 +2,7 @@
 
 Redis I/O only; what runs the model hides behind ``EngineCore``. Each turn of
 the loop: heartbeat (every second) → recover dead engines' requests (now and
-then) → admit new requests → abort cancelled ones → ``engine.step()`` → publish.
+then) → take new requests → abort cancelled ones → ``engine.step()`` → publish.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class Worker:
             self.recovery.run()
             self.read_adapter_events()
             self._next_recovery = now + self.config.recovery_interval_s
-        self.admit()
+        self.take()
         self.abort_cancelled()
         if self.engine.has_unfinished():
             self.events.publish(self.engine.step())
@@ -153,7 +153,7 @@ class Worker:
         self.last_snapshot = snapshot()
         return {"engine": self.last_snapshot}
 
-    def admit(self) -> None:
+    def take(self) -> None:
         """Reads new requests: blocking briefly when idle, not at all while generating."""
         room = self.engine.room()
         if room <= 0:

@@ -263,11 +263,3 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
                               f"({hit.group()[:40]!r})")
     return compiled
 
-
-def check_pattern(pattern: str) -> str | None:
-    """Why the pattern is refused, or None when it is accepted."""
-    try:
-        compile_pattern(pattern)
-    except PatternRejected as exc:
-        return str(exc)
-    return None

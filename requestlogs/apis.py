@@ -10,7 +10,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from atrium.errors import InvalidRequest
+from core.errors import InvalidRequest
 from redaction.custom import MAX_PATTERN_CHARS
 from requestlogs import selectors, services
 from requestlogs.models import RequestLog

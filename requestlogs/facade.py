@@ -1,7 +1,7 @@
 """What other apps may use of request logs: a plain dataclass in, a function to write it.
 
 The inference API builds a `RequestLogEntry` when a request ends and calls
-`request_log_record` off the event loop (atrium/inference/requestlog.py).
+`request_log_record` off the event loop (inference/requestlog.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from datetime import datetime
 from django.conf import settings
 from django.db.models import QuerySet
 
-from atrium.errors import NotFound
+from core.errors import NotFound
 from redaction import Detector
 from redaction.custom import compile_pattern
 from requestlogs.models import LogPolicy, RedactionPattern, RequestLog

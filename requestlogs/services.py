@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from atrium.errors import Conflict, InvalidRequest
+from core.errors import Conflict, InvalidRequest
 from redaction import redact, redact_json
 from redaction.custom import PatternRejected, compile_pattern
 from requestlogs import selectors

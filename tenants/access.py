@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atrium.errors import PermissionDenied
+from core.errors import PermissionDenied
 from tenants.models import Role, Scope, Tenant
 from tenants.principals import Principal
 

@@ -1,7 +1,8 @@
 """What other apps may use of tenants: plain dataclasses and functions, never models.
 
-The inference hot path authenticates through `principal_lookup` (cached, async)
-and records key use through `api_key_touch`. Other apps' services audit their
+The inference API and the adapter-events websocket check API keys with the one
+authenticator (`aauthenticate`, tenants/authentication.py), which also records each
+key's use. Other apps' services audit their
 changes to a tenant's settings through `audit_record`. Billing checks the tenants
 its usage reports name (`tenant_ids_existing`), labels ledger rows with key
 prefixes (`api_key_prefixes`) and finds each tenant's plan (`tenant_plans`).
@@ -12,22 +13,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tenants.access import Actor
-from tenants.key_cache import DENIED_MALFORMED, principal_lookup
+from tenants.authentication import aauthenticate, authenticate, is_bearer
 from tenants.models import ApiKey, Tenant
 from tenants.principals import Limits, Principal
-from tenants.selectors import (
-    DENIED_EXPIRED,
-    DENIED_REVOKED,
-    DENIED_ROTATED,
-    DENIED_UNKNOWN,
-    principal_from_api_key,
-)
-from tenants.services import api_key_touch, audit_record
+from tenants.selectors import principal_from_api_key
+from tenants.services import audit_record
 
 __all__ = [
-    "DENIED_EXPIRED", "DENIED_MALFORMED", "DENIED_REVOKED", "DENIED_ROTATED", "DENIED_UNKNOWN",
-    "Actor", "Limits", "Principal", "api_key_prefixes", "api_key_touch", "audit_record",
-    "principal_from_api_key", "principal_lookup", "tenant_ids_existing", "tenant_plans",
+    "Actor", "Limits", "Principal", "aauthenticate", "api_key_prefixes", "audit_record",
+    "authenticate", "is_bearer", "principal_from_api_key",
+    "tenant_ids_existing", "tenant_plans",
 ]
 
 

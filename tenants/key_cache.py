@@ -1,7 +1,8 @@
 """The API key cache: digest → principal JSON in Redis, shared by every web process.
 
-Reads (the inference hot path) are async: one GET, and on a miss one database
-read off the event loop, stored with SET NX. Writes come from the services that
+Reads come from the one API-key authenticator (tenants/authentication.py): one GET,
+and on a miss one database read (off the event loop in the async face), stored with
+SET NX. Writes come from the services that
 change a key, its tenant, plan or quotas: they SET the fresh state (or a
 denial) before their transaction commits, so a revocation is refused by every
 process from that moment on. Because fills use NX and changes overwrite, a
@@ -20,8 +21,8 @@ import redis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from atrium.errors import ServiceUnavailable
-from atrium.redis import async_client, sync_client
+from core.errors import ServiceUnavailable
+from core.redis import async_client, sync_client
 from tenants import keys
 from tenants.principals import Limits, Principal
 
@@ -30,6 +31,7 @@ DENIED_MALFORMED = "malformed"
 # A denial for a digest nobody has: kept briefly, so guessing is cheap to refuse
 # but a fresh key is never held back for long.
 UNKNOWN_TTL_S = 10
+_UNAVAILABLE = "authentication is unavailable right now; retry shortly"
 
 
 def cache_key(digest: str) -> str:
@@ -73,9 +75,43 @@ def key_cache_store(*, states: Iterable[tuple[str, Principal | str]]) -> None:
                                  "retry shortly") from exc
 
 
+def _usable(state: Principal | str) -> Principal | str:
+    """A cached principal whose expiry has passed is refused, whatever the entry's TTL."""
+    from tenants.selectors import DENIED_EXPIRED, DENIED_ROTATED
+
+    if isinstance(state, Principal) and state.expired():
+        return DENIED_ROTATED if state.rotated else DENIED_EXPIRED
+    return state
+
+
+def principal_lookup_sync(*, plaintext: str) -> Principal | str:
+    """The principal of an active key, or why it is refused (a DENIED_* string).
+
+    For callers off the event loop (the management API); `principal_lookup` is the same
+    for the loop. Raises ServiceUnavailable when Redis cannot be reached.
+    """
+    from tenants.selectors import key_state_by_digest
+
+    if not keys.is_well_formed(plaintext):
+        return DENIED_MALFORMED
+    digest = keys.digest(plaintext)
+    client = sync_client()
+    try:
+        raw = client.get(cache_key(digest))
+        if raw is None:
+            state = key_state_by_digest(digest=digest)
+            value, ttl = _entry(state)
+            client.set(cache_key(digest), value, ex=ttl, nx=True)
+        else:
+            state = _decode(raw)
+    except redis.RedisError as exc:
+        raise ServiceUnavailable(_UNAVAILABLE) from exc
+    return _usable(state)
+
+
 async def principal_lookup(*, plaintext: str) -> Principal | str:
-    """The principal of an active key, or why it is refused (a DENIED_* string)."""
-    from tenants.selectors import DENIED_EXPIRED, DENIED_ROTATED, key_state_by_digest
+    """`principal_lookup_sync` on the event loop: the database read runs in a thread."""
+    from tenants.selectors import key_state_by_digest
 
     if not keys.is_well_formed(plaintext):
         return DENIED_MALFORMED
@@ -90,11 +126,9 @@ async def principal_lookup(*, plaintext: str) -> Principal | str:
         else:
             state = _decode(raw)
     except redis.RedisError as exc:
-        raise ServiceUnavailable("authentication is unavailable right now; retry shortly"
-                                 ) from exc
-    if isinstance(state, Principal) and state.expired():
-        return DENIED_ROTATED if state.rotated else DENIED_EXPIRED
-    return state
+        raise ServiceUnavailable(_UNAVAILABLE) from exc
+    return _usable(state)
 
 
-__all__ = ["Limits", "Principal", "key_cache_store", "principal_lookup", "cache_key"]
+__all__ = ["Limits", "Principal", "cache_key", "key_cache_store", "principal_lookup",
+           "principal_lookup_sync"]

@@ -6,7 +6,7 @@ from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from atrium.errors import NotFound
+from core.errors import NotFound
 from tenants import keys
 from tenants.access import Actor, TenantAccess
 from tenants.models import (
@@ -151,8 +151,8 @@ def key_state_by_digest(*, digest: str) -> Principal | str:
 def principal_from_api_key(*, plaintext: str) -> Principal | None:
     """The active key's principal, or None for a malformed, unknown, revoked or expired key.
 
-    Reads the database every time: the management API and tools use it. The
-    inference hot path goes through `tenants.key_cache` instead.
+    Reads the database every time, for tools and tests. Requests are authenticated
+    through the key cache instead (tenants/authentication.py).
     """
     if not keys.is_well_formed(plaintext):
         return None

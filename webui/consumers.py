@@ -16,8 +16,8 @@ import time
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from atrium.inference.consumers import origin_allowed
-from atrium.redis import async_client
+from core.redis import async_client
+from core.websockets import origin_allowed, scope_headers
 from engine import protocol
 from webui.selectors import fleet_get_async
 
@@ -28,8 +28,7 @@ CLOSE_FORBIDDEN = 4403
 
 class FleetConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in self.scope.get("headers", [])}
+        headers = scope_headers(self.scope)
         if headers.get("origin") is None or not origin_allowed(headers.get("origin"),
                                                                headers.get("host")):
             # NOTE: a console socket is always a browser's: no Origin is refused too.

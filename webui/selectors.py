@@ -17,9 +17,9 @@ from typing import Any
 
 from django.utils import timezone
 
-from atrium.redis import sync_client
 from billing import selectors as billing
 from billing.periods import day_start, period_of
+from core.redis import sync_client
 from engine import protocol
 from requestlogs.selectors import RequestLogFilter, request_log_list
 from tenants import selectors as tenants
@@ -259,26 +259,15 @@ def quotas_get(*, tenant: Tenant) -> Quotas:
     """The plan's limits, the tenant's overrides, the effective limits and what is in use:
     the per-minute buckets, requests in flight and this month's tokens (the admission
     counters in Redis, read at Redis's clock as admission does)."""
-    from atrium.inference.admission import bucket_in_use, month_window, quota_key
+    from inference.admission import usage_snapshot
     from tenants.models import QUOTA_FIELDS
 
     plan = tenant.plan
     override = tenants.quota_override_get(tenant=tenant)
     effective = tenants.tenant_limits(tenant=tenant, override=override)
-    month, _ = month_window()
-    client = sync_client()
-    seconds, micros = client.time()
-    now_ms = seconds * 1000 + micros // 1000
-    with client.pipeline(transaction=False) as pipe:
-        pipe.get(quota_key("t", tenant.pk, "rpm"))
-        pipe.get(quota_key("t", tenant.pk, "tpm"))
-        pipe.zcount(quota_key("t", tenant.pk, "inflight"), now_ms, "+inf")
-        pipe.get(quota_key("t", tenant.pk, f"tokens:{month}"))
-        rpm_tat, tpm_tat, inflight, month_tokens = pipe.execute()
-    used = {"requests_per_minute": bucket_in_use(rpm_tat, now_ms, effective.requests_per_minute),
-            "tokens_per_minute": bucket_in_use(tpm_tat, now_ms, effective.tokens_per_minute),
-            "max_concurrent_requests": int(inflight or 0),
-            "monthly_token_cap": int(month_tokens or 0)}
+    used = usage_snapshot(sync_client(), tenant_id=tenant.pk,
+                          requests_per_minute=effective.requests_per_minute,
+                          tokens_per_minute=effective.tokens_per_minute)
     rows = [QuotaRow(name=f, plan=getattr(plan, f),
                      override=getattr(override, f) if override else None,
                      effective=getattr(effective, f), used=used.get(f)) for f in QUOTA_FIELDS]

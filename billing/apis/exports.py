@@ -7,11 +7,11 @@ from drf_spectacular.utils import extend_schema, extend_schema_field, extend_sch
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from atrium.downloads import FileDownload
-from atrium.errors import ApiError, Conflict
 from billing import selectors, services
 from billing.exports import CONTENT_TYPES, export_storage
 from billing.models import Export
+from core.downloads import FileDownload
+from core.errors import ApiError, Conflict
 from tenants import access
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of

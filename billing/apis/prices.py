@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
-from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from atrium.errors import InvalidRequest
 from billing import selectors, services
 from billing.apis.common import PRICE, query_dict
 from tenants.apis.base import Api, StrictSerializer, listing, validated
@@ -69,11 +66,5 @@ class PriceCreateApi(Api):
     def post(self, request) -> Response:
         actor = self.staff_actor()
         data = validated(PriceCreateApi.InputSerializer, request.data)
-        now = timezone.now()
-        effective_from = data.pop("effective_from", None) or now
-        if effective_from < now - timedelta(minutes=1):
-            raise InvalidRequest("'effective_from' is in the past: a price never changes what "
-                                 "was already billed", param="effective_from",
-                                 code="invalid_value")
-        price = services.price_create(actor=actor, effective_from=effective_from, **data)
+        price = services.price_create(actor=actor, **data)
         return Response(PriceSerializer(price).data, status=status.HTTP_201_CREATED)

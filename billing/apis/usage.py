@@ -11,10 +11,10 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
-from atrium.errors import InvalidRequest
 from billing import selectors
 from billing.apis.common import MAX_UNIX_S, amount, query_dict
 from billing.money import to_micro
+from core.errors import InvalidRequest
 from tenants import access
 from tenants.apis.base import Api, StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of

@@ -21,7 +21,7 @@ from billing.services.ledger import (
     usage_records_ingest,
     usage_records_write,
 )
-from billing.services.prices import price_create
+from billing.services.prices import PriceBackdated, price_create
 from billing.services.spending import (
     plan_spend_cap_update,
     spend_caps_publish,
@@ -30,8 +30,8 @@ from billing.services.spending import (
 )
 
 __all__ = [
-    "RefusedUsage", "UsageEvent", "export_build", "export_create", "exports_expire",
-    "invoice_finalize", "invoice_number", "invoices_close", "invoices_open",
+    "PriceBackdated", "RefusedUsage", "UsageEvent", "export_build", "export_create",
+    "exports_expire", "invoice_finalize", "invoice_number", "invoices_close", "invoices_open",
     "plan_spend_cap_update", "price_create", "spend_caps_publish",
     "spend_reconcile", "tenant_spend_cap_update", "usage_dead_letters_record",
     "usage_records_ingest", "usage_records_write",

@@ -11,10 +11,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from atrium.errors import InvalidRequest, NotFound, RateLimited
 from billing import queue
 from billing.exports import export_storage, export_write
 from billing.models import Export
+from core.errors import InvalidRequest, NotFound, RateLimited
 from tenants.facade import Actor
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from atrium.errors import Conflict
 from billing.models import Invoice, InvoiceLine, UsageRollup
 from billing.periods import day_start, period_after, period_bounds, period_of
 from billing.selectors import invoice_lines_compute
 from billing.services.bulk import INSERT_CHUNK
+from core.errors import Conflict
 from tenants.facade import tenant_plans
 
 

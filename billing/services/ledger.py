@@ -48,21 +48,8 @@ class UsageEvent:
     total_ms: int | None = None
 
     def __post_init__(self) -> None:
-        counts = (self.prompt_tokens, self.cached_tokens, self.completion_tokens)
-        if not all(isinstance(c, int) for c in counts):
-            raise TypeError("token counts are integers")
-        if min(counts) < 0:
-            raise ValueError("token counts are never negative")
-        if max(counts) > INT32:
-            raise ValueError("a token count is out of range")
-        if self.cached_tokens > self.prompt_tokens:
-            raise ValueError("cached tokens are part of the prompt")
-        if not 0 < len(self.request_id) <= 64:
-            raise ValueError("a request id has 1 to 64 characters")
-        if not 0 < len(self.model) <= 200 or len(self.adapter) > 200:
-            raise ValueError("a model or adapter name has at most 200 characters")
-        if len(self.finish_reason) > 32 or len(self.api_key_prefix) > 16:
-            raise ValueError("finish reason or key prefix too long")
+        self._check_counts()
+        self._check_names()
         if self.occurred_at.tzinfo is None:
             raise ValueError("occurred_at needs a time zone")
         for ms in (self.queue_ms, self.ttft_ms, self.total_ms):
@@ -73,6 +60,24 @@ class UsageEvent:
         if self.api_key_id is not None and not 0 < self.api_key_id < 2**63:
             raise ValueError("an API key id is out of range")
 
+    def _check_counts(self) -> None:
+        counts = (self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        if not all(isinstance(c, int) for c in counts):
+            raise TypeError("token counts are integers")
+        if min(counts) < 0:
+            raise ValueError("token counts are never negative")
+        if max(counts) > INT32:
+            raise ValueError("a token count is out of range")
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError("cached tokens are part of the prompt")
+
+    def _check_names(self) -> None:
+        if not 0 < len(self.request_id) <= 64:
+            raise ValueError("a request id has 1 to 64 characters")
+        if not 0 < len(self.model) <= 200 or len(self.adapter) > 200:
+            raise ValueError("a model or adapter name has at most 200 characters")
+        if len(self.finish_reason) > 32 or len(self.api_key_prefix) > 16:
+            raise ValueError("finish reason or key prefix too long")
 
 def _costed(event: UsageEvent, prices: PriceIndex, period: date) -> UsageRecord:
     base = prices.at(event.model, "", event.occurred_at)

@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
-from atrium.errors import Conflict, InvalidRequest
 from billing.models import Price
+from core.errors import Conflict, InvalidRequest
 from tenants.facade import Actor, audit_record
+
+# A form filled in a minute ago still means "from now".
+BACKDATING_GRACE = timedelta(minutes=1)
+
+
+class PriceBackdated(InvalidRequest):
+    """A price that would start in the past: it would re-price usage already billed, or
+    reports still arriving for that time."""
+
+    def __init__(self) -> None:
+        super().__init__("'effective_from' is in the past: a price never changes what was "
+                         "already billed", param="effective_from", code="invalid_value")
 
 
 def price_create(*, model: str, input_per_million: Decimal, cached_input_per_million: Decimal,
-                 output_per_million: Decimal, effective_from: datetime, adapter: str = "",
-                 currency: str | None = None, actor: Actor | None = None) -> Price:
-    """A new price from ``effective_from`` on; it supersedes the one before, never edits it."""
+                 output_per_million: Decimal, effective_from: datetime | None = None,
+                 adapter: str = "", currency: str | None = None, actor: Actor | None = None,
+                 now: datetime | None = None) -> Price:
+    """A new price from ``effective_from`` (default: now) on; it supersedes the one before,
+    never edits it, and never starts in the past: a price never changes what was already
+    billed. ``now`` is the clock (tests that build a price history set it)."""
+    now = now or timezone.now()
+    effective_from = effective_from or now
+    if effective_from < now - BACKDATING_GRACE:
+        raise PriceBackdated()
     currency = currency or settings.ATRIUM_BILLING_CURRENCY
     if currency != settings.ATRIUM_BILLING_CURRENCY:
         raise InvalidRequest(f"this deployment bills in {settings.ATRIUM_BILLING_CURRENCY}; "

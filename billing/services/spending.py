@@ -15,13 +15,13 @@ from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from atrium.errors import InvalidRequest
-from atrium.redis import sync_client
 from billing import spend
 from billing.models import SpendCap, UsageRecord, UsageRollup
 from billing.money import CENT, micros
 from billing.periods import period_label, period_of
 from billing.selectors import spend_caps_effective
+from core.errors import InvalidRequest
+from core.redis import sync_client
 from tenants.facade import Actor, audit_record, tenant_plans
 
 log = logging.getLogger(__name__)

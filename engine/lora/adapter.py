@@ -160,9 +160,25 @@ def load_adapter(adapter_dir: Path | str, model: ModelConfig, *, max_rank: int,
     config = read_config(adapter_dir)
     check_config(config, max_rank=max_rank)
     shapes = module_shapes(model)
+    halves = _read_halves(adapter_dir / WEIGHTS_FILE, model)
+    if not halves:
+        raise AdapterError("the adapter holds no LoRA weights")
+    modules = {}
+    for (layer, module), pair in sorted(halves.items()):
+        name = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        a, b = _checked_pair(name, pair, shapes[module], max_rank)
+        rank = a.shape[0]
+        alpha = _pattern_value(config.get("alpha_pattern"), name, config.get("lora_alpha", rank))
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        modules[(layer, module)] = LoRAModule(a.to(dtype), b.to(dtype), float(scaling))
+    return LoRAAdapter(adapter_hash=adapter_hash,
+                       rank=max(m.a.shape[0] for m in modules.values()), modules=modules)
+
+def _read_halves(path: Path, model: ModelConfig) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The file's LoRA tensors by (layer, module), then "A" or "B"."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
-        with safe_open(str(adapter_dir / WEIGHTS_FILE), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 match = _KEY.match(key)
                 if match is None:
@@ -179,31 +195,28 @@ def load_adapter(adapter_dir: Path | str, model: ModelConfig, *, max_rank: int,
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt file must read as a clear refusal
         raise AdapterError(f"{WEIGHTS_FILE} cannot be read: {exc}") from None
-    if not halves:
-        raise AdapterError("the adapter holds no LoRA weights")
-    modules = {}
-    for (layer, module), pair in sorted(halves.items()):
-        name = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"{name} has lora_{''.join(pair)} without its other half")
-        a, b = pair["A"], pair["B"]
-        in_features, out_features = shapes[module]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
-                               f"do not pair up")
-        rank = a.shape[0]
-        if a.shape[1] != in_features or b.shape[0] != out_features:
-            raise AdapterError(
-                f"{name}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not match the base "
-                f"model ({in_features} in, {out_features} out); is it for another model?")
-        if rank > max_rank:
-            raise AdapterError(f"{name} has rank {rank}, above the maximum of {max_rank}")
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise AdapterError(f"{name}: weights must be floating point")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"{name}: weights hold NaN or infinity")
-        alpha = _pattern_value(config.get("alpha_pattern"), name, config.get("lora_alpha", rank))
-        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        modules[(layer, module)] = LoRAModule(a.to(dtype), b.to(dtype), float(scaling))
-    return LoRAAdapter(adapter_hash=adapter_hash,
-                       rank=max(m.a.shape[0] for m in modules.values()), modules=modules)
+    return halves
+
+
+def _checked_pair(name: str, pair: dict[str, torch.Tensor], shape: tuple[int, int],
+                  max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A module's A and B, refused unless they pair up, fit the base model and are finite."""
+    if set(pair) != {"A", "B"}:
+        raise AdapterError(f"{name} has lora_{''.join(pair)} without its other half")
+    a, b = pair["A"], pair["B"]
+    in_features, out_features = shape
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise AdapterError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                           f"do not pair up")
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise AdapterError(
+            f"{name}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not match the base "
+            f"model ({in_features} in, {out_features} out); is it for another model?")
+    if a.shape[0] > max_rank:
+        raise AdapterError(f"{name} has rank {a.shape[0]}, above the maximum of {max_rank}")
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise AdapterError(f"{name}: weights must be floating point")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise AdapterError(f"{name}: weights hold NaN or infinity")
+    return a, b
+

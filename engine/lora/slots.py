@@ -2,8 +2,8 @@
 
 A fixed number of slots hold adapters' stacked weights. A running sequence keeps its
 adapter's slot in use; a slot no sequence uses is idle and may be given to another
-adapter, least recently used first; pinned adapters never leave their slot. The runner
-copies weights when the scheduler hands it the loads a step needs (``take_loads``).
+adapter, least recently used first; pinned adapters never leave their slot. Copying the
+weights is not decided here: AdapterLifecycle copies into a slot what a step's rows need.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class AdapterSlots:
         self.users: dict[str, int] = {}  # running sequences per adapter in a slot
         self._free = list(range(num_slots - 1, -1, -1))
         self._idle: OrderedDict[str, int] = OrderedDict()  # in a slot, unused: LRU first
-        self._loads: list[tuple[int, str]] = []
         for adapter in pinned:
             self._place(adapter)
 
@@ -61,12 +60,6 @@ class AdapterSlots:
             self._free.append(self._idle.pop(adapter))
             del self.slot_of[adapter]
 
-    def take_loads(self) -> list[tuple[int, str]]:
-        """(slot, adapter) pairs whose weights the runner must copy in before the next step."""
-        loads, self._loads = self._loads, []
-        return loads
-
     def _place(self, adapter: str) -> None:
         slot = self._free.pop()
         self.slot_of[adapter] = slot
-        self._loads.append((slot, adapter))

@@ -7,6 +7,7 @@ Q/K/V and gate/up projections are fused into one matmul each at load time.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,9 +23,9 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, **factory) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size, **factory))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int,
+                 **factory) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
@@ -43,8 +45,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+                                  bias=cfg.attention_bias, **factory)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, **factory)
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
@@ -66,13 +68,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, **factory) -> None:
         super().__init__()
         self.layer = layer
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
-                                      bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+                                      bias=cfg.mlp_bias, **factory)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                   **factory)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [tokens, 2 * intermediate]
@@ -85,12 +88,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int,
+                 **factory) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.self_attn = Attention(cfg, rotary, layer, **factory)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.mlp = MLP(cfg, layer, **factory)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
@@ -99,15 +103,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                 ) -> None:
+        """Parameters are made in ``dtype`` on ``device`` (torch's defaults when None);
+        nothing global (torch's default dtype or device) is touched."""
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.raw, cfg.head_dim,
-                                 max_positions or cfg.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        factory = {"dtype": dtype, "device": device}
+        # NOTE: the rotary tables are computed on the device itself, as transformers does
+        # (a scoped device context: restored on exit, thread-local).
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            rotary = RotaryEmbedding(cfg.raw, cfg.head_dim,
+                                     max_positions or cfg.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i, **factory)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -20,7 +20,7 @@ django_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 
 from adapters.consumers import AdapterEventsConsumer  # noqa: E402
-from atrium.inference.consumers import InferenceConsumer  # noqa: E402
+from inference.consumers import InferenceConsumer  # noqa: E402
 from webui.consumers import FleetConsumer  # noqa: E402
 
 
@@ -93,14 +93,14 @@ async def _known_uploader(scope, slug: str) -> bool:
     """An API key of tenant `slug` with the adapters scope, or a live console session."""
     from django.http import parse_cookie
 
-    from atrium.errors import ApiError
-    from atrium.inference.auth import authenticate
+    from core.errors import ApiError
+    from tenants.facade import aauthenticate
 
     headers = {name: value for name, value in scope.get("headers", [])}
     if b"authorization" in headers:
         try:
-            principal = await authenticate(headers[b"authorization"].decode("latin-1"),
-                                           scope="adapters")
+            principal = await aauthenticate(headers[b"authorization"].decode("latin-1"),
+                                            scope="adapters")
         except ApiError:
             return False
         return principal.tenant_slug == slug

@@ -82,7 +82,7 @@ def cmd_create_user(args: argparse.Namespace) -> None:
     from django.core.exceptions import ValidationError
     from django.db import transaction
 
-    from atrium.errors import ApiError
+    from core.errors import ApiError
     from tenants.services import membership_create, user_create
 
     if not args.operator and not args.tenant:
@@ -159,7 +159,7 @@ def server_options() -> dict:
 
 def _model() -> tuple[Path, str]:
     django_setup()
-    from atrium.inference.served_models import model_path_and_name
+    from core.served_models import model_path_and_name
 
     return model_path_and_name()
 

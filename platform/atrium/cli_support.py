@@ -36,7 +36,7 @@ def tenant_or_exit(slug: str):
 def new_key(tenant, *, name: str, scopes, expires_in: timedelta | None) -> str:
     from django.utils import timezone
 
-    from atrium.errors import ApiError
+    from core.errors import ApiError
     from tenants.services import api_key_create
 
     expires_at = timezone.now() + expires_in if expires_in else None

@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "atrium",  # start-up checks (atrium/apps.py)
+    "inference",  # the OpenAI-compatible API: views, websocket, dispatch, relay
     "tenants",
     "adapters",
     "billing",
@@ -203,7 +204,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Celery keeps its hands off the root logger: LOGGING below (JSON, redacted) stays in force.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
-    "engines-prune": {"task": "atrium.tasks.engines_prune", "schedule": 30.0},
+    "engines-prune": {"task": "inference.tasks.engines_prune", "schedule": 30.0},
     "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
     "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
     "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},
@@ -222,10 +223,10 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["tenants.apis.authentication.SignedIn"],
-    "DEFAULT_PARSER_CLASSES": ["atrium.drf.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["core.drf.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "EXCEPTION_HANDLER": "atrium.drf.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "atrium.openapi.OperationSchema",
+    "EXCEPTION_HANDLER": "core.drf.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "core.openapi.OperationSchema",
     "UNAUTHENTICATED_USER": None,
 }
 SPECTACULAR_SETTINGS = {

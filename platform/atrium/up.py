@@ -34,7 +34,7 @@ def _wait_http(url: str, timeout: float) -> bool:
 
 
 def _wait_engine(model: str, timeout: float) -> bool:
-    from atrium.redis import sync_client
+    from core.redis import sync_client
     from engine import protocol
 
     client, end = sync_client(), time.time() + timeout
@@ -103,7 +103,7 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     django_setup()
     from django.core.management import call_command
 
-    from atrium.inference.served_models import model_path_and_name
+    from core.served_models import model_path_and_name
 
     call_command("migrate", interactive=False, verbosity=0)
     api_key = _demo_key(another=args.new_key)

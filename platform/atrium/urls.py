@@ -4,7 +4,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import AllowAny
 
 from adapters import internal as adapter_internal
-from atrium.inference import views as inference
+from inference import views as inference
 from webui import views as webui
 
 _public = {"authentication_classes": [], "permission_classes": [AllowAny]}

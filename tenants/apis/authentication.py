@@ -1,23 +1,20 @@
 """How the management API knows its caller: an API key, or a console session.
 
+A key goes through the one API-key authenticator (tenants/authentication.py), as on
+every other entry point; authorization is then tenants/access.py's, per operation.
 Imported by DRF's settings: this module must not import rest_framework.views.
 """
 
 from __future__ import annotations
 
-import redis
+from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
-from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
-from atrium.redis import sync_client
-from tenants import keys
+from core import errors
+from tenants import authentication
 from tenants.principals import Principal
-from tenants.selectors import DENIED_UNKNOWN, key_state_by_digest
-from tenants.services import api_key_touch
-
-TOUCH_INTERVAL_S = 60
 
 
 class ApiKeyUser:
@@ -32,31 +29,19 @@ class ApiKeyUser:
         self.principal = principal
 
 
-def _touch(principal: Principal) -> None:
-    try:
-        marker = f"atrium:apikey-used:{principal.api_key_id}"
-        if not sync_client().set(marker, b"1", nx=True, ex=TOUCH_INTERVAL_S):
-            return
-    except redis.RedisError:
-        return
-    api_key_touch(key_id=principal.api_key_id)
-
-
 class ApiKeyAuthentication(BaseAuthentication):
-    """`Authorization: Bearer atr_...`, checked against the database on every call."""
+    """`Authorization: Bearer atr_...`; any other scheme is left to the session."""
 
     def authenticate(self, request: Request) -> tuple[ApiKeyUser, Principal] | None:
         header = request.META.get("HTTP_AUTHORIZATION", "")
-        scheme, _, token = header.strip().partition(" ")
-        if scheme.lower() != "bearer":
+        if not authentication.is_bearer(header):
             return None
-        token = token.strip()
-        state = key_state_by_digest(digest=keys.digest(token)) if keys.is_well_formed(
-            token) else DENIED_UNKNOWN
-        if not isinstance(state, Principal):
-            raise AuthenticationFailed(f"Incorrect API key provided ({state}).")
-        _touch(state)
-        return ApiKeyUser(state), state
+        try:
+            principal = authentication.authenticate(header)
+        except errors.AuthenticationFailed as exc:
+            # DRF's own class, so that DRF marks the request unauthenticated.
+            raise exceptions.AuthenticationFailed(exc.message) from None
+        return ApiKeyUser(principal), principal
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="atrium"'
@@ -65,5 +50,3 @@ class ApiKeyAuthentication(BaseAuthentication):
 class SignedIn(BasePermission):
     def has_permission(self, request: Request, view) -> bool:
         return bool(request.user is not None and request.user.is_authenticated)
-
-

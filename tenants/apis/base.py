@@ -14,7 +14,7 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from atrium.errors import PermissionDenied
+from core.errors import PermissionDenied
 from tenants.access import Actor, TenantAccess
 from tenants.apis.authentication import ApiKeyUser
 from tenants.selectors import tenant_access_get

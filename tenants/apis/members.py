@@ -6,7 +6,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
-from atrium.errors import PermissionDenied
+from core.errors import PermissionDenied
 from tenants import access, selectors, services
 from tenants.apis.base import Api, StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import (

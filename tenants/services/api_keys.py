@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from atrium.errors import Conflict, InvalidRequest
+from core.errors import Conflict, InvalidRequest
 from tenants import keys, selectors
 from tenants.access import SYSTEM, Actor
 from tenants.models import QUOTA_FIELDS, ApiKey, QuotaOverride, Scope, Tenant
@@ -154,5 +154,6 @@ def api_key_rotate(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM,
 
 
 def api_key_touch(*, key_id: int, at: datetime | None = None) -> None:
-    """Records use (no audit): the hot path calls it at most once a minute per key."""
+    """Records use (no audit): tenants/authentication.py calls it at most once per
+    TOUCH_INTERVAL_S per key."""
     ApiKey.objects.filter(pk=key_id).update(last_used_at=at or timezone.now())

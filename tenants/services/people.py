@@ -13,7 +13,7 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from atrium.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
+from core.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
 from tenants.access import SYSTEM, Actor
 from tenants.models import Invitation, Membership, Role, Tenant
 from tenants.services.audit import audit_record

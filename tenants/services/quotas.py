@@ -7,7 +7,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from atrium.errors import InvalidRequest
+from core.errors import InvalidRequest
 from tenants import selectors
 from tenants.access import Actor
 from tenants.models import QUOTA_FIELDS, QUOTA_MAX, QuotaOverride, Tenant

@@ -7,7 +7,7 @@ from typing import Any
 from django.db import transaction
 from django.utils.text import slugify
 
-from atrium.errors import Conflict, InvalidRequest
+from core.errors import Conflict, InvalidRequest
 from tenants.access import SYSTEM, Actor
 from tenants.models import QUOTA_FIELDS, Plan, Tenant
 from tenants.services.audit import audit_record

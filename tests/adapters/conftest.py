@@ -1,8 +1,10 @@
-"""The platform's live-server fixtures, for the adapter tests."""
+"""The live-server fixtures (tests/live.py): real Redis, the real ASGI app, engines."""
 
-from tests.platform.conftest import (  # noqa: F401
+from tests.live import (  # noqa: F401
     adapter_store,
     api_server,
+    engine_worker,
     redis_client,
     served_model,
+    tenant_key,
 )

@@ -20,7 +20,7 @@ from openai import OpenAI
 from tests.adapters.test_archive import make_zip
 from tests.engine.lora_testing import peft_greedy, train_adapter
 from tests.factories import key_factory, member_factory, tenant_factory
-from tests.platform.conftest import start_engine
+from tests.live import start_engine
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def store_contents(store: Path) -> list[str]:
 
 def test_zip_upload_becomes_ready_and_serves_what_peft_generates(
         api_server, celery_worker, lora_engine, key, trained, tiny_model_path, store, tmp_path):
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     client = api(api_server, key)
     with zip_of(trained["sql"], tmp_path).open("rb") as f:

@@ -184,6 +184,17 @@ def test_bad_prices_are_refused_and_change_nothing(acme, body, param, status):
     assert Price.objects.count() == count
 
 
+def test_a_backdated_price_is_a_400_that_names_effective_from(acme):
+    hour_ago = timezone.now() - timedelta(hours=1)
+    r = _staff().post("/api/v1/prices", _price(effective_from=hour_ago.isoformat()),
+                      format="json")
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "'effective_from' is in the past: a price never changes what was already "
+                   "billed", "type": "invalid_request_error", "param": "effective_from",
+        "code": "invalid_value"}
+
+
 def test_a_price_is_never_edited_only_superseded(acme):
     staff = _staff()
     at = (timezone.now() + timedelta(days=2)).replace(microsecond=0).isoformat()
@@ -308,3 +319,4 @@ def test_openapi_schema_lists_the_billing_operations(client):
     assert {"usage_list", "usage_record_detail", "spend_detail", "spend_cap_update",
             "invoice_list", "invoice_detail", "export_create", "export_content",
             "price_create", "price_list"} <= operations
+

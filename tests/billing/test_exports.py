@@ -14,10 +14,10 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from atrium.errors import InvalidRequest, RateLimited
 from billing import services
 from billing.exports import export_storage, ledger_rows
 from billing.models import Export, UsageRecord
+from core.errors import InvalidRequest, RateLimited
 from tenants.access import SYSTEM
 from tenants.models import Role
 from tests.billing.conftest import T0, event, prices

@@ -13,11 +13,11 @@ from django.db import connection
 from django.db.models import Sum
 from django.utils import timezone
 
-from atrium.errors import Conflict
 from billing import selectors, services
 from billing.models import Invoice, UsageRecord
 from billing.money import to_cents
 from billing.periods import period_of
+from core.errors import Conflict
 from tests.billing.conftest import T0, event, prices
 from tests.factories import tenant_factory
 

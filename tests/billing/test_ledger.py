@@ -11,14 +11,28 @@ import pytest
 from django.db import connection
 from django.db.models import Sum
 
-from billing.models import Invoice, UsageRecord, UsageRollup
+from billing.models import Invoice, UsageRecord
 from billing.money import allocate_cents, to_cents, to_micro, token_cost
+from billing.selectors import UsageQuery, spend_summary, usage_buckets
 from billing.services import UsageEvent, usage_records_ingest
 from tests.billing.conftest import T0, event, prices
 
 
 def _event(tenant, rid="req-1", at=T0 + timedelta(days=3), **kw) -> UsageEvent:
     return event(tenant, rid=rid, at=at, **kw)
+
+
+def _daily(tenant, *, days: int = 31, group_by: tuple[str, ...] = ()) -> dict:
+    """The tenant's daily usage as the usage API reports it: (day, group...) -> result."""
+    buckets = usage_buckets(tenant=tenant, query=UsageQuery(
+        start=T0, end=T0 + timedelta(days=days), width="1d", group_by=group_by))
+    return {(b.start.date(), *(getattr(r, g) for g in group_by)): r
+            for b in buckets for r in b.results}
+
+
+def _spent(tenant) -> Decimal:
+    """What the tenant has spent in March 2026, as its spend page shows."""
+    return spend_summary(tenant=tenant, now=T0 + timedelta(days=20)).spent
 
 
 def test_cost_splits_uncached_cached_and_output_tokens(tenant):
@@ -39,17 +53,16 @@ def test_a_duplicate_event_is_written_once(tenant):
     assert UsageRecord.objects.filter(request_id="req-1").count() == 1
 
 
-def test_a_duplicate_is_never_rolled_up_twice(tenant):
+def test_a_duplicate_is_never_counted_twice_in_usage_or_spend(tenant):
     prices()
     usage_records_ingest(events=[_event(tenant, rid="a"), _event(tenant, rid="b")])
     usage_records_ingest(events=[_event(tenant, rid="a"), _event(tenant, rid="c")])
-    rollup = UsageRollup.objects.get(tenant=tenant)
-    assert rollup.requests == 3
-    assert rollup.prompt_tokens == 3000
-    assert rollup.cost == Decimal("0.003000")
+    day = _daily(tenant)[(date(2026, 3, 4),)]
+    assert (day.requests, day.input_tokens, day.cost) == (3, 3000, Decimal("0.003000"))
+    assert _spent(tenant) == Decimal("0.003000")
 
 
-def test_rollups_are_per_day_model_adapter_key_and_price(tenant):
+def test_daily_usage_is_per_day_model_adapter_and_key(tenant):
     prices()
     prices(model="n")
     usage_records_ingest(events=[
@@ -59,14 +72,13 @@ def test_rollups_are_per_day_model_adapter_key_and_price(tenant):
         _event(tenant, rid="4", model="n"),
         _event(tenant, rid="5", api_key_id=7),
         _event(tenant, rid="6", adapter="acme/support@1")])
-    groups = {(r.day, r.model, r.adapter, r.api_key_id): r.requests
-              for r in UsageRollup.objects.filter(tenant=tenant)}
-    assert groups == {
-        (date(2026, 3, 1), "m", "", 0): 2,
-        (date(2026, 3, 2), "m", "", 0): 1,
-        (date(2026, 3, 4), "n", "", 0): 1,
+    daily = _daily(tenant, group_by=("model", "adapter", "api_key_id"))
+    assert {group: r.requests for group, r in daily.items()} == {
+        (date(2026, 3, 1), "m", "", None): 2,
+        (date(2026, 3, 2), "m", "", None): 1,
+        (date(2026, 3, 4), "n", "", None): 1,
         (date(2026, 3, 4), "m", "", 7): 1,
-        (date(2026, 3, 4), "m", "acme/support@1", 0): 1,
+        (date(2026, 3, 4), "m", "acme/support@1", None): 1,
     }
 
 
@@ -94,9 +106,11 @@ def test_concurrent_ingesters_never_double_bill():
         t.join()
     assert errors == []
     assert UsageRecord.objects.count() == 200
-    # Each row was added by exactly one ingester, and rolled up exactly once.
-    assert sorted(added) == [0, 0, 0, 200]
-    assert UsageRollup.objects.aggregate(n=Sum("requests"))["n"] == 200
+    # Each request was reported as new by exactly one ingester, and counted once.
+    assert sum(added) == 200
+    assert _daily(tenant)[(date(2026, 3, 4),)].requests == 200
+    assert _spent(tenant) == UsageRecord.objects.aggregate(total=Sum("cost"))["total"] \
+        == Decimal("0.200000")
 
 
 def test_a_price_change_applies_from_its_date_and_never_rewrites_the_past(tenant):
@@ -115,14 +129,19 @@ def test_an_adapter_surcharge_adds_to_the_base_price(tenant):
     prices(adapter="tenant/support-v1", inp="0.10", cached="0", out="0.10")
     usage_records_ingest(events=[_event(tenant, adapter="tenant/support-v1")])
     row = UsageRecord.objects.get()
-    assert row.input_cost == Decimal("0.000880")
-    assert row.surcharge is not None
+    assert row.input_cost == Decimal("0.000880")  # 800 at $1/M + $0.10/M
+    assert row.cached_input_cost == Decimal("0.000100")  # 200 at $0.50/M + $0/M
+    assert row.output_cost == Decimal("0.000105")  # 50 at $2/M + $0.10/M
+    assert row.cost == Decimal("0.001085")
 
 
-def test_usage_without_a_price_is_kept_at_zero_cost(tenant):
-    usage_records_ingest(events=[_event(tenant)])
+def test_usage_without_a_price_is_kept_at_zero_cost_and_the_operator_warned(tenant, caplog):
+    assert usage_records_ingest(events=[_event(tenant)]) == 1
     row = UsageRecord.objects.get()
-    assert row.cost == 0 and row.price is None
+    assert (row.request_id, row.prompt_tokens, row.completion_tokens) == ("req-1", 1000, 50)
+    assert row.cost == 0 and _spent(tenant) == 0
+    assert any(r.levelname == "WARNING" and "no price in effect" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_prices_in_another_currency_never_apply(tenant, settings):

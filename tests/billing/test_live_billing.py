@@ -15,7 +15,7 @@ from billing.models import UsageRecord
 from tenants.access import SYSTEM
 from tenants.models import Tenant
 from tests.billing.conftest import prices
-from tests.platform.conftest import (  # noqa: F401 - fixtures
+from tests.live import (  # noqa: F401 - fixtures
     api_server,
     engine_worker,
     served_model,

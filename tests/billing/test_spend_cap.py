@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.utils import timezone
 
-from atrium.errors import QuotaExceeded
-from atrium.inference import admission
 from billing import selectors, services, spend
 from billing.periods import period_label, period_of
+from core.errors import QuotaExceeded
+from inference import admission
 from tenants.access import SYSTEM
 from tenants.principals import Limits, Principal
 from tests.billing.conftest import event, prices

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 from engine.batch import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
@@ -55,9 +56,17 @@ def check_invariants(sched: Scheduler, batch: SchedulerOutput) -> None:
     kv = sched.kv
     assert batch.num_tokens <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
-    held = [b for table in kv.tables.values() for b in table]
-    assert len({id(b) for b in held}) <= kv.num_blocks
+    # Each block's reference count is the number of block tables holding it: a leak (a
+    # count too high) or a double free (too low, or a held block back on the free list)
+    # shows here the step it happens.
+    holders = Counter(id(b) for table in kv.tables.values() for b in table)
+    blocks = {id(b): b for table in kv.tables.values() for b in table}
+    for block_id, tables in holders.items():
+        assert blocks[block_id].ref_cnt == tables, "reference count != tables holding it"
     assert kv.num_free_blocks == sum(1 for b in kv.pool.blocks if b.ref_cnt == 0)
+    # Only running sequences hold blocks: a table kept past a finish or a preemption has
+    # consistent counts, so the check above misses it; this one fails the step it happens.
+    assert set(kv.tables) == {s.request_id for s in sched.running}, "blocks held past a run"
     for req in batch.requests:
         s = sched.sequences[req.request_id]
         need = kv.blocks_needed(req.start_pos + len(req.token_ids))

@@ -134,3 +134,18 @@ def test_a_shape_mismatch_names_the_tensor(tmp_path):
     cfg = ModelConfig.from_dir(model_dir)
     with pytest.raises(ValueError, match="mlp"):
         ModelRunner(EngineConfig(model_dir=model_dir, num_kv_blocks=4), cfg, 64)
+
+
+def test_building_a_runner_in_half_precision_leaves_torchs_defaults_alone(tiny_model_dir):
+    """The runner makes its weights in its dtype without touching torch's global default."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # a caller's own choice, kept as it was
+    try:
+        runner = ModelRunner(EngineConfig(model_dir=tiny_model_dir, dtype="bfloat16",
+                                          num_kv_blocks=8),
+                             ModelConfig.from_dir(tiny_model_dir), max_model_len=64)
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(before)
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16

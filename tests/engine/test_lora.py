@@ -124,7 +124,7 @@ def test_logits_agree_with_peft(tiny_model_dir, store_root, adapters):
     eng = engine(tiny_model_dir, store_root, num_kv_blocks=8)
     prompt = PROMPTS[2][:24]
     for slot, (name, (folder, adapter_hash)) in enumerate(adapters.items()):
-        eng.runner.lora.load_slot(slot, eng.adapters.load_now(adapter_hash))
+        eng.runner.lora.load_slot(slot, eng.adapters.cache.load_now(adapter_hash))
         ours = _engine_logits(eng.runner, prompt, slot, adapter_hash)
         torch.testing.assert_close(ours, peft_logits(tiny_model_dir, folder, prompt),
                                    atol=1e-4, rtol=1e-4, msg=name)
@@ -197,25 +197,40 @@ def test_a_failed_slot_load_never_serves_the_previous_adapter(tiny_model_dir, st
     eng = engine(tiny_model_dir, store_root, max_loras=1)
     eng.add_request(adapter_request("a", PROMPTS[0], "all-r8", adapters))
     drain(eng)
-    real = eng.runner.adapters
+    real = eng.runner.copy_adapter
 
-    def fails_once(adapter_hash):
-        eng.runner.adapters = real
+    def fails_once(slot, adapter):
+        eng.runner.copy_adapter = real
         raise OSError("the copy failed")
 
-    eng.runner.adapters = fails_once
+    eng.runner.copy_adapter = fails_once
     eng.add_request(adapter_request("b", PROMPTS[0], "qv-r16", adapters))
     assert "the copy failed" in drain(eng)["b"][-1].error
     eng.add_request(adapter_request("b-again", PROMPTS[0], "qv-r16", adapters))
     assert tokens(drain(eng)["b-again"]) == expected["qv-r16"][0]
 
 
+def test_the_runner_refuses_a_row_whose_slot_holds_another_adapter(tiny_model_dir, store_root,
+                                                                   adapters):
+    eng = engine(tiny_model_dir, store_root, num_kv_blocks=8)
+    eng.runner.copy_adapter(0, eng.adapters.cache.load_now(adapters["all-r8"][1]))
+    row = ScheduledRequest(request_id="r", token_ids=[5], start_pos=0, block_table=[0],
+                           sample=True, sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                           adapter_slot=0, adapter_hash=adapters["qv-r16"][1])
+    with pytest.raises(RuntimeError, match="does not hold adapter"):
+        eng.runner.run(SchedulerOutput([row]))
+    eng.adapters.cache.load_now(adapters["qv-r16"][1])
+    eng.adapters.fill_slots(eng.runner, [row])  # what the engine does before every step
+    assert eng.runner.adapter_in_slot(0) == adapters["qv-r16"][1]
+    assert eng.runner.run(SchedulerOutput([row]))[0] is not None
+
+
 def test_a_slot_whose_copy_failed_part_way_names_no_adapter(tiny_model_dir, store_root,
                                                             adapters):
     eng = engine(tiny_model_dir, store_root, num_kv_blocks=8)
     lora = eng.runner.lora
-    lora.load_slot(0, eng.adapters.load_now(adapters["all-r8"][1]))
-    good = eng.adapters.load_now(adapters["qv-r16"][1])
+    lora.load_slot(0, eng.adapters.cache.load_now(adapters["all-r8"][1]))
+    good = eng.adapters.cache.load_now(adapters["qv-r16"][1])
     key, module = list(good.modules.items())[-1]
     misshapen = LoRAModule(module.a[:, :3], module.b, module.scaling)
     broken = LoRAAdapter(good.adapter_hash, good.rank, {**good.modules, key: misshapen})
@@ -341,7 +356,7 @@ def test_the_worker_hears_of_deleted_adapters(tiny_model_dir, store_root, adapte
 
     eng = engine(tiny_model_dir, store_root)
     digest = adapters["qv-r16"][1]
-    eng.adapters.load_now(digest)
+    eng.adapters.cache.load_now(digest)
     worker = Worker(redis_client, eng, model_name="tiny", engine_id="e", config=WorkerConfig())
     worker._adapter_events_id = worker._last_adapter_event_id()
     redis_client.xadd(protocol.ADAPTER_EVENTS_STREAM,

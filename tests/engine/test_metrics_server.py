@@ -1,9 +1,22 @@
-"""The engine's metrics endpoint listens on loopback unless an operator says otherwise."""
+"""The engine's metrics endpoint: loopback unless an operator says otherwise, and what a
+Prometheus scraper reads there (parsed with prometheus_client's own parser)."""
 
 from __future__ import annotations
 
 import argparse
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import pytest
+from engine_testing import make_request
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.metrics_server import serve_metrics
 from engine.worker import add_engine_arguments
 
@@ -14,6 +27,29 @@ def _flags(monkeypatch, **env: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     return parser.parse_args([])
+
+
+@contextmanager
+def _served(latest: Callable[[], dict[str, Any] | None], **labels: str) -> Iterator[int]:
+    server = serve_metrics(latest, port=0, labels=labels)
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _scrape(port: int) -> list[Sample]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain;")
+        text = reply.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _value(samples: list[Sample], name: str, **labels: str) -> float | None:
+    found = [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
+    assert len(found) <= 1, found
+    return found[0] if found else None
 
 
 def test_metrics_listen_on_loopback_by_default(monkeypatch):
@@ -29,3 +65,40 @@ def test_metrics_listen_on_loopback_by_default(monkeypatch):
 
 def test_an_operator_may_open_metrics_to_other_hosts(monkeypatch):
     assert _flags(monkeypatch, ATRIUM_METRICS_HOST="0.0.0.0").metrics_host == "0.0.0.0"
+
+
+def test_served_counters_move_when_the_engine_serves_a_request(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir))
+    latest = {"snapshot": engine.snapshot()}  # what the worker's heartbeat replaces
+    with _served(lambda: latest["snapshot"], engine_id="e1", model="tiny") as port:
+        before = _scrape(port)
+        engine.add_request(make_request([11, 12, 13, 14, 15], max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        latest["snapshot"] = engine.snapshot()
+        after = _scrape(port)
+    assert all(s.labels.items() >= {"engine_id": "e1", "model": "tiny"}.items() for s in after)
+    assert _value(before, "atrium_generation_tokens_total") == 0
+    assert _value(after, "atrium_generation_tokens_total") == 4
+    assert _value(before, "atrium_prompt_tokens_total") == 0
+    assert _value(after, "atrium_prompt_tokens_total") == 5
+    assert _value(before, "atrium_requests_finished_total", finish_reason="length") is None
+    assert _value(after, "atrium_requests_finished_total", finish_reason="length") == 1
+    assert _value(before, "atrium_time_to_first_token_seconds_count") == 0
+    assert _value(after, "atrium_time_to_first_token_seconds_count") == 1
+    assert _value(after, "atrium_inter_token_latency_seconds_bucket", le="+Inf") == 3
+
+
+def test_each_engine_in_a_process_exports_only_its_own_metrics(tiny_model_dir):
+    snapshot = LLMEngine(EngineConfig(model_dir=tiny_model_dir)).snapshot()
+    with (_served(lambda: snapshot, engine_id="e1", model="tiny") as port_1,
+          _served(lambda: snapshot, engine_id="e2", model="tiny") as port_2):
+        for port, engine_id in ((port_1, "e1"), (port_2, "e2")):
+            samples = _scrape(port)
+            assert samples and {s.labels["engine_id"] for s in samples} == {engine_id}
+
+
+def test_metrics_answer_503_until_the_first_heartbeat():
+    with _served(lambda: None) as port, pytest.raises(urllib.error.HTTPError) as caught:
+        _scrape(port)
+    assert caught.value.code == 503

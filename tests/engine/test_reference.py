@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
-from engine_testing import make_request
+from engine_testing import make_request, read_events, submit
 from tokenizers import Tokenizer
 
 from engine import protocol
@@ -194,3 +195,26 @@ def test_invalid_requests_are_refused_at_add(engine, bad):
     with pytest.raises(ValueError):
         engine.add_request(make_request(prompt, **bad))
     assert not engine.has_unfinished()
+
+
+def test_an_adapter_request_is_refused_not_answered_by_the_base_model(engine):
+    request = make_request([1, 2, 3], request_id="lora")
+    request = dataclasses.replace(request, adapter="acme/sea-poet", adapter_hash="ab" * 32)
+    with pytest.raises(ValueError, match="reference engine runs the base model only"):
+        engine.add_request(request)
+    assert not engine.has_unfinished()
+
+
+def test_an_adapter_request_gets_an_invalid_request_error_on_the_wire(
+        start_worker, redis_client, reference_engine_factory):
+    start_worker(engine_factory=lambda _model_dir: reference_engine_factory())
+    lora = dataclasses.replace(make_request([1, 2, 3], max_tokens=2), adapter="acme/sea-poet",
+                               adapter_hash="ab" * 32)
+    base = make_request([1, 2, 3], max_tokens=2)
+    submit(redis_client, lora)
+    submit(redis_client, base)
+    [event] = read_events(redis_client, lora.request_id)
+    assert (event.type, event.data["code"]) == (protocol.EV_ERROR,
+                                                protocol.ERROR_INVALID_REQUEST)
+    assert "base model only" in event.data["message"]
+    assert read_events(redis_client, base.request_id)[-1].type == protocol.EV_FINISH

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from atrium.inference import params as p
+from inference import params as p
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 REQUIRED = {"model", "prompt", "messages"}

@@ -5,7 +5,7 @@ import time
 import pytest
 
 # The live-server fixtures are shared with the platform's tests.
-from tests.platform.conftest import (  # noqa: F401
+from tests.live import (  # noqa: F401
     api_server,
     redis_client,
     served_model,

@@ -35,7 +35,7 @@ from tenants import keys
 from tenants.access import SYSTEM
 from tenants.models import Tenant
 from tests.billing.conftest import export_dir  # noqa: F401 - a fixture
-from tests.platform.conftest import make_tenant_key
+from tests.live import make_tenant_key
 from tests.requestlogs.conftest import wait_for_logs
 
 ALNUM = string.ascii_letters + string.digits

@@ -11,8 +11,8 @@ from requestlogs.models import RequestLog
 from requestlogs.services import log_policy_update
 from tenants.access import SYSTEM
 from tenants.models import Tenant
-from tests.platform.conftest import start_engine
-from tests.platform.slow_engine import slow_factory
+from tests.inference.slow_engine import slow_factory
+from tests.live import start_engine
 from tests.requestlogs.conftest import wait_for_logs
 
 CARD = "4111 1111 1111 1111"
@@ -80,7 +80,7 @@ def test_a_streamed_completion_is_logged_whole(api_server, tenant_key, served_mo
 
 def test_token_id_prompts_are_decoded_before_redaction(api_server, tenant_key, served_model,
                                                       echo_engine):
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     _keep_bodies(tenant_key)
     ids = served_models()[served_model].encode_prompt(f"card {CARD}")

@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from atrium import redis as atrium_redis
-from atrium.errors import Conflict, InvalidRequest, ServiceUnavailable
+from core import redis as core_redis
+from core.errors import Conflict, InvalidRequest, ServiceUnavailable
 from tenants import key_cache, keys
 from tenants.access import SYSTEM
 from tenants.models import ApiKey, AuditEvent, Tenant
@@ -33,11 +33,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(settings):
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     sync_client().flushdb()
     yield
-    atrium_redis._async_clients.clear()
+    core_redis._async_clients.clear()
 
 
 def lookup(plaintext: str) -> Principal | str:
@@ -48,14 +48,14 @@ def lookup(plaintext: str) -> Principal | str:
         try:
             return await key_cache.principal_lookup(plaintext=plaintext)
         finally:
-            atrium_redis._async_clients.clear()
+            core_redis._async_clients.clear()
             await sync_to_async(connections.close_all)()
 
     return asyncio.run(run())
 
 
 def cached(plaintext: str) -> bytes | None:
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     return sync_client().get(key_cache.cache_key(keys.digest(plaintext)))
 
@@ -108,12 +108,12 @@ def test_a_fill_that_raced_a_change_cannot_restore_the_old_state():
 
     async def late_fill():
         try:
-            client = atrium_redis.async_client()
+            client = core_redis.async_client()
             # ...stored after it, as principal_lookup stores fills: NX.
             return await client.set(key_cache.cache_key(keys.digest(key.plaintext)),
                                     stale.encode(), nx=True, ex=60)
         finally:
-            atrium_redis._async_clients.clear()
+            core_redis._async_clients.clear()
 
     assert not asyncio.run(late_fill())
     assert lookup(key.plaintext) == "revoked"
@@ -141,7 +141,7 @@ def test_a_cached_key_past_its_expiry_is_refused(rotated, reason):
     import dataclasses
     import time
 
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     tenant = tenant_factory()
     key = key_factory(tenant, expires_at=timezone.now() + timedelta(hours=1))
@@ -154,7 +154,7 @@ def test_a_cached_key_past_its_expiry_is_refused(rotated, reason):
 
 
 def test_a_cached_key_lives_no_longer_than_its_expiry():
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     tenant = tenant_factory()
     key = key_factory(tenant, expires_at=timezone.now() + timedelta(seconds=5))
@@ -188,7 +188,7 @@ def test_rotation_keeps_the_old_key_for_the_grace_period_only():
         api_key_rotate(tenant=tenant, key_id=old.id)
     # Past the grace deadline the old key fails, and says why.
     ApiKey.objects.filter(pk=old.id).update(expires_at=timezone.now() - timedelta(seconds=1))
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     # The cached entry's TTL ends at the grace deadline (next test); here it has run out.
     sync_client().delete(key_cache.cache_key(keys.digest(old.plaintext)))
@@ -197,7 +197,7 @@ def test_rotation_keeps_the_old_key_for_the_grace_period_only():
 
 
 def test_a_rotated_key_is_cached_no_longer_than_its_grace_period():
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     tenant = tenant_factory()
     old = key_factory(tenant)
@@ -231,14 +231,14 @@ def test_changes_are_audited_and_secrets_never_are():
 @pytest.fixture
 def redis_down(settings):
     """Every Redis client of the platform points at a port nobody listens on."""
-    from atrium.redis import sync_client
+    from core.redis import sync_client
 
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     sync_client.cache_clear()
-    atrium_redis._async_clients.clear()
+    core_redis._async_clients.clear()
     yield
     sync_client.cache_clear()
-    atrium_redis._async_clients.clear()
+    core_redis._async_clients.clear()
 
 
 def test_lookups_fail_closed_when_redis_is_down(redis_down):

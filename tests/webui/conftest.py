@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.platform.conftest import (  # noqa: F401
+from tests.live import (  # noqa: F401
     adapter_store,
     api_server,
     redis_client,

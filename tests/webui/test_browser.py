@@ -21,7 +21,7 @@ import pytest
 from openai import AuthenticationError, OpenAI
 from playwright.sync_api import expect
 
-from tests.platform.conftest import make_tenant_key, start_engine
+from tests.live import make_tenant_key, start_engine
 from tests.webui.conftest import build_world, screenshot, sign_in
 
 PASSWORD = "correct horse battery staple"
@@ -120,7 +120,7 @@ def _ledger(tenant, key_id: int, key_prefix: str) -> None:
     now = timezone.now()
     price_create(model="tiny-llama", input_per_million=Decimal("1.00"),
                  cached_input_per_million=Decimal("0.50"), output_per_million=Decimal("2.00"),
-                 effective_from=now - timedelta(days=40))
+                 effective_from=now - timedelta(days=40), now=now - timedelta(days=40))
     earlier = max(day_start(period_of(now)), now - timedelta(days=1))
     usage_records_write(events=[UsageEvent(
         request_id=f"ledger-{i}", tenant_id=tenant.pk, model="tiny-llama",

@@ -276,7 +276,7 @@ def test_quotas_show_what_the_admission_buckets_hold_now(world):
     import redis.asyncio as aioredis
     from django.conf import settings
 
-    from atrium.inference import admission
+    from inference import admission
     from tenants.access import SYSTEM
     from tenants.principals import Limits, Principal
     from tenants.services import tenant_quota_update
@@ -311,7 +311,7 @@ def test_pages_with_live_counters_say_so_when_redis_is_unreachable(world, monkey
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from tests.platform.conftest import _free_port
+    from tests.live import _free_port
     from webui import selectors
 
     dead = redis.Redis(port=_free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
@@ -362,3 +362,17 @@ def test_export_kinds_and_formats_read_as_people_write_them(world):
     assert "Meter events</option>" in body
     assert "Csv" not in body and "Jsonl" not in body
     assert "Ledger · CSV" in body  # the world's export, in the table
+
+
+def test_an_operator_cannot_backdate_a_price_and_is_told_why(world):
+    from billing.models import Price
+
+    before = Price.objects.count()
+    hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    reply = _client(world.staff).post(reverse("webui:op-prices"), {
+        "model": "m", "adapter": "", "input_per_million": "1", "cached_input_per_million": "1",
+        "output_per_million": "1", "effective_from": hour_ago.strftime("%Y-%m-%d %H:%M")},
+        follow=True)
+    assert ("A price never changes what was already billed: “From” must not be in the past."
+            in reply.content.decode())
+    assert Price.objects.count() == before

@@ -1,6 +1,7 @@
 """What every console view shares: the signed-in person as an Actor, the tenant they act in
 (another tenant's is a 404, as in the management API), the role × action checks of
-tenants/access.py (403), and turning the platform's errors into messages on the page.
+tenants/access.py (the management API's own; a refusal is the 403 page), and turning the
+platform's errors into messages on the page.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from django.shortcuts import render
 from django.urls import reverse
 from redis.exceptions import RedisError
 
-from atrium import errors
+from core import errors
 from tenants import access as rules
 from tenants import selectors as tenant_selectors
 from tenants.access import Actor, TenantAccess
@@ -37,11 +38,6 @@ def abilities(tenant_access: TenantAccess) -> dict[str, bool]:
     what the viewer may not do (the views check again: hiding is not enforcing)."""
     return {action.replace(".", "_"): rules.allowed(tenant_access, action)
             for action in rules.RULES}
-
-
-def authorize(tenant_access: TenantAccess, action: str, *, owner_id: int | None = None) -> None:
-    if not rules.allowed(tenant_access, action, owner_id=owner_id):
-        raise DjangoPermissionDenied(f"you may not do this ({action}) in this tenant")
 
 
 def _translated(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -80,7 +76,7 @@ def tenant_view(action: str | None, *, methods: tuple[str, ...] = ("GET",)):
             tenant_access = tenant_selectors.tenant_access_get(actor=actor_of(request),
                                                                slug=slug)
             if action is not None:
-                authorize(tenant_access, action)
+                rules.authorize(tenant_access, action)
             return view(request, tenant_access, **kwargs)
         wrapper.console_action = action  # type: ignore[attr-defined]
         wrapper.console_methods = methods  # type: ignore[attr-defined]

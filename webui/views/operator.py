@@ -7,7 +7,6 @@ every change is audited as theirs.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -17,9 +16,9 @@ from django.utils import timezone
 
 from adapters import selectors as adapter_selectors
 from adapters import services as adapter_services
-from atrium.errors import ApiError, InvalidRequest, NotFound
 from billing import selectors as billing_selectors
 from billing import services as billing_services
+from core.errors import ApiError, InvalidRequest, NotFound
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.models import QUOTA_FIELDS, Role
@@ -223,21 +222,20 @@ def plan_spend_cap(request: HttpRequest, plan_slug: str) -> HttpResponse:
 
 # --- the price book ------------------------------------------------------------------------
 
+# The service's rule in the form's words: the form calls `effective_from` "From".
+PRICE_BACKDATED = "A price never changes what was already billed: “From” must not be in the past."
+
+
 @staff_view(methods=("GET", "POST"))
 def prices(request: HttpRequest) -> HttpResponse:
     form = forms.PriceForm(request.POST or None)
     if request.method == "POST":
         if not form.is_valid():
             return refused(request, form_errors(form), "webui:op-prices")
-        data = dict(form.cleaned_data)
-        now = timezone.now()
-        effective_from = data.pop("effective_from") or now
         try:
-            if effective_from < now - timedelta(minutes=1):
-                raise InvalidRequest("A price never changes what was already billed: "
-                                     "“From” must not be in the past.")
-            billing_services.price_create(actor=actor_of(request),
-                                          effective_from=effective_from, **data)
+            billing_services.price_create(actor=actor_of(request), **form.cleaned_data)
+        except billing_services.PriceBackdated:
+            return refused(request, PRICE_BACKDATED, "webui:op-prices")
         except ApiError as exc:
             return refused(request, exc, "webui:op-prices")
         return done(request, "webui:op-prices", ok="The price is added.")

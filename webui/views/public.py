@@ -9,7 +9,7 @@ from webui.selectors import engine_heartbeats
 
 
 def index(request: HttpRequest) -> HttpResponse:
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     engines = engine_heartbeats()
     # Engine ids and queue depths are the operator's business; others learn if any is up.

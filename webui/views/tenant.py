@@ -11,7 +11,6 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
@@ -19,12 +18,12 @@ from django.views.decorators.http import require_http_methods
 
 from adapters import selectors as adapter_selectors
 from adapters import services as adapter_services
-from atrium.downloads import FileDownload
-from atrium.errors import ApiError
 from billing import selectors as billing_selectors
 from billing import services as billing_services
 from billing.exports import CONTENT_TYPES, export_storage
 from billing.models import Export
+from core.downloads import FileDownload
+from core.errors import ApiError
 from requestlogs import selectors as log_selectors
 from requestlogs import services as log_services
 from tenants import access as rules
@@ -35,7 +34,6 @@ from webui import charts, forms
 from webui import selectors as console
 from webui.views.base import (
     actor_of,
-    authorize,
     done,
     form_errors,
     page,
@@ -118,12 +116,12 @@ def keys(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
     """The tenant's keys; POST creates one and shows its secret in this reply only."""
     if request.method != "POST":
         return _keys_page(request, tenant_access)
-    authorize(tenant_access, "key.create")
+    rules.authorize(tenant_access, "key.create")
     form = _key_form(tenant_access, request.POST)
     if not form.is_valid():
         return _keys_page(request, tenant_access, form=form, status=400)
     scopes = form.cleaned_data["scopes"]
-    authorize_scopes(tenant_access, scopes)
+    rules.authorize_scopes(tenant_access, scopes)
     try:
         key, plaintext = tenant_services.api_key_create(
             tenant=tenant_access.tenant, name=form.cleaned_data["name"], scopes=scopes,
@@ -135,17 +133,10 @@ def keys(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
         "name": key.name, "prefix": key.prefix, "plaintext": plaintext, "rotated": False})
 
 
-def authorize_scopes(tenant_access: TenantAccess, scopes: list[str]) -> None:
-    try:
-        rules.authorize_scopes(tenant_access, scopes)
-    except ApiError as exc:
-        raise PermissionDenied(exc.message) from None
-
-
 def _managed_key(tenant_access: TenantAccess, key_id: int):
     """The key (404 when not this tenant's) once the person may manage it (403)."""
     key = tenant_selectors.api_key_get(tenant=tenant_access.tenant, key_id=key_id)
-    authorize(tenant_access, "key.manage", owner_id=key.created_by_id)
+    rules.authorize(tenant_access, "key.manage", owner_id=key.created_by_id)
     return key
 
 
@@ -161,7 +152,7 @@ def key_revoke(request: HttpRequest, tenant_access: TenantAccess, key_id: int) -
 @tenant_view(None, methods=("POST",))
 def key_rotate(request: HttpRequest, tenant_access: TenantAccess, key_id: int) -> HttpResponse:
     key = _managed_key(tenant_access, key_id)
-    authorize_scopes(tenant_access, list(key.scopes))  # it mints a secret with these scopes
+    rules.authorize_scopes(tenant_access, list(key.scopes))  # it mints a key with these scopes
     slug = tenant_access.tenant.slug
     form = forms.RotateForm(request.POST)
     if not form.is_valid():
@@ -272,12 +263,12 @@ def adapters(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
     """The tenant's adapters by name and version. POST: the upload form without scripts
     (one request, up to ATRIUM_MAX_BODY_BYTES); with scripts the page uploads in chunks
     through the adapter-uploads API and shows progress."""
-    from atrium.inference.served_models import served_models
+    from core.served_models import served_models
 
     tenant = tenant_access.tenant
     form = forms.AdapterUploadForm()
     if request.method == "POST":
-        authorize(tenant_access, "adapter.create")
+        rules.authorize(tenant_access, "adapter.create")
         form = forms.AdapterUploadForm(request.POST, request.FILES)
         if form.is_valid():
             archive = form.cleaned_data["archive"]
@@ -380,14 +371,9 @@ def members(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
 def _managed_member(tenant_access: TenantAccess, member_id: int):
     membership = tenant_selectors.membership_get(tenant=tenant_access.tenant,
                                                  membership_id=member_id)
-    authorize(tenant_access, "member.manage")
-    _only_owners_touch_owners(tenant_access, membership.role)
+    rules.authorize(tenant_access, "member.manage")
+    rules.authorize_role(tenant_access, membership.role)  # only owners touch owners
     return membership
-
-
-def _only_owners_touch_owners(tenant_access: TenantAccess, role: str) -> None:
-    if role not in rules.grantable_roles(tenant_access):
-        raise PermissionDenied(f"only owners may change an {role}'s membership")
 
 
 @tenant_view(None, methods=("POST",))
@@ -398,9 +384,8 @@ def member_role(request: HttpRequest, tenant_access: TenantAccess, member_id: in
     if not form.is_valid():
         return refused(request, form_errors(form), "webui:members", slug=slug)
     role = form.cleaned_data["role"]
-    if role not in rules.grantable_roles(tenant_access):
-        return refused(request, f"You cannot give the role {role}.", "webui:members", slug=slug)
     try:
+        rules.authorize_role(tenant_access, role)  # refused on the page, as a business error
         tenant_services.membership_update(tenant=tenant_access.tenant,
                                           membership_id=membership.pk, role=role,
                                           actor=tenant_access.actor)
@@ -430,9 +415,8 @@ def member_invite(request: HttpRequest, tenant_access: TenantAccess) -> HttpResp
     if not form.is_valid():
         return refused(request, form_errors(form), "webui:members", slug=slug)
     role = form.cleaned_data["role"]
-    if role not in rules.grantable_roles(tenant_access):
-        return refused(request, f"You cannot give the role {role}.", "webui:members", slug=slug)
     try:
+        rules.authorize_role(tenant_access, role)  # refused on the page, as a business error
         invitation, token = tenant_services.invitation_create(
             tenant=tenant_access.tenant, email=form.cleaned_data["email"], role=role,
             actor=tenant_access.actor, invited_by=request.user)
@@ -450,7 +434,7 @@ def invitation_revoke(request: HttpRequest, tenant_access: TenantAccess,
     slug = tenant_access.tenant.slug
     found = tenant_selectors.invitation_get(tenant=tenant_access.tenant,
                                             invitation_id=invitation_id)
-    _only_owners_touch_owners(tenant_access, found.role)
+    rules.authorize_role(tenant_access, found.role)
     try:
         tenant_services.invitation_revoke(tenant=tenant_access.tenant, invitation_id=found.pk,
                                           actor=tenant_access.actor)

@@ -1,0 +1,88 @@
+"""The one exception family of the platform, rendered in OpenAI's error shape.
+
+Services, selectors and views raise these; the inference views render them
+directly and the management API renders them through `core.drf.exception_handler`.
+Every body is ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.http import HttpResponse
+
+
+class ApiError(Exception):
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> HttpResponse:
+        response = HttpResponse(json.dumps(self.body()), status=self.status,
+                                content_type="application/json")
+        for name, value in self.headers.items():
+            response[name] = value
+        return response
+
+
+class InvalidRequest(ApiError):
+    status = 400
+
+
+class AuthenticationFailed(ApiError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class PermissionDenied(ApiError):
+    status = 403
+    code = "permission_denied"
+
+
+class NotFound(ApiError):
+    """Also what another tenant's object is: its existence is never confirmed."""
+
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ApiError):
+    status = 409
+    code = "conflict"
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class QuotaExceeded(ApiError):
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
+class ServiceUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"

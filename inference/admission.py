@@ -1,0 +1,270 @@
+"""Quota admission: one atomic Redis script per request, at the tenant and the key level.
+
+`admit` runs admit.lua: requests/min and tokens/min (GCRA buckets; a request
+reserves prompt + max_tokens), concurrent requests (a sorted set of in-flight
+request ids scored by lease expiry, so a crashed web process cannot hold slots
+past its lease) and the monthly token cap. Every web process shares the same
+keys, so limits hold however many processes run. `settle` runs settle.lua
+once the request ends however it ends: it frees the slot and gives back the
+tokens reserved but not used.
+
+Keys (all under ``atrium:quota:{t|k}:{id}:``): ``rpm`` and ``tpm`` (string, TAT in
+unix ms), ``inflight`` (sorted set), ``tokens:{YYYY-MM}`` (integer, UTC month).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import redis
+import redis.asyncio as aioredis
+
+from billing import spend as billing_spend  # Redis keys and values only; no Django
+from billing.money import from_micros, to_cents
+from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
+from tenants.principals import Principal  # the facade's dataclass; importable without Django
+
+_HERE = Path(__file__).parent
+ADMIT_LUA = (_HERE / "admit.lua").read_text()
+SETTLE_LUA = (_HERE / "settle.lua").read_text()
+_ADMIT_SHA = hashlib.sha1(ADMIT_LUA.encode()).hexdigest()
+_SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()
+
+# Seconds after a request's deadline that its in-flight slot is kept if never released.
+LEASE_SLACK_S = 30
+
+REASON_CONCURRENCY, REASON_RPM, REASON_TPM, REASON_MONTH, REASON_TOO_LARGE = 1, 2, 3, 4, 5
+_LEVELS = {1: "tenant", 2: "key"}
+
+
+def quota_key(level: str, ident: int | str, name: str) -> str:
+    return f"atrium:quota:{level}:{ident}:{name}"
+
+
+def bucket_in_use(tat: str | bytes | None, now_ms: int, per_minute: int | None) -> int | None:
+    """How much of a per-minute limit a GCRA bucket (admit.lua) has in use now: the units it
+    would take to drain its theoretical arrival time back to `now`. None when unlimited."""
+    if not per_minute:
+        return None
+    ahead_ms = max(float(tat) - now_ms, 0.0) if tat is not None else 0.0
+    return min(math.ceil(ahead_ms * per_minute / 60_000 - 1e-9), per_minute)
+
+
+def month_window(now: float | None = None) -> tuple[str, int]:
+    """The UTC month's label (YYYY-MM) and when it ends, in unix ms."""
+    moment = datetime.fromtimestamp(now if now is not None else time.time(), UTC)
+    year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
+    reset = datetime(year, month, 1, tzinfo=UTC)
+    return f"{moment.year:04d}-{moment.month:02d}", int(reset.timestamp() * 1000)
+
+
+def usage_snapshot(client: redis.Redis, *, tenant_id: int, requests_per_minute: int | None,
+                   tokens_per_minute: int | None) -> dict[str, int | None]:
+    """What a tenant has in use now by admission's own counters, read at Redis's clock:
+    the per-minute buckets, requests in flight and this month's tokens, by quota name."""
+    month, _ = month_window()
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    with client.pipeline(transaction=False) as pipe:
+        pipe.get(quota_key("t", tenant_id, "rpm"))
+        pipe.get(quota_key("t", tenant_id, "tpm"))
+        pipe.zcount(quota_key("t", tenant_id, "inflight"), now_ms, "+inf")
+        pipe.get(quota_key("t", tenant_id, f"tokens:{month}"))
+        rpm_tat, tpm_tat, inflight, month_tokens = pipe.execute()
+    return {"requests_per_minute": bucket_in_use(rpm_tat, now_ms, requests_per_minute),
+            "tokens_per_minute": bucket_in_use(tpm_tat, now_ms, tokens_per_minute),
+            "max_concurrent_requests": int(inflight or 0),
+            "monthly_token_cap": int(month_tokens or 0)}
+
+
+def format_duration(ms: int) -> str:
+    """OpenAI's style for x-ratelimit-reset-*: 20ms, 1.5s, 6m0s."""
+    ms = max(0, int(ms))
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest = divmod(ms, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitState:
+    """The binding (lowest remaining) of the tenant's and the key's buckets."""
+
+    limit_requests: int
+    remaining_requests: int
+    reset_requests_ms: int
+    limit_tokens: int
+    remaining_tokens: int
+    reset_tokens_ms: int
+
+    def headers(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.limit_requests >= 0:
+            out["x-ratelimit-limit-requests"] = str(self.limit_requests)
+            out["x-ratelimit-remaining-requests"] = str(self.remaining_requests)
+            out["x-ratelimit-reset-requests"] = format_duration(self.reset_requests_ms)
+        if self.limit_tokens >= 0:
+            out["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
+            out["x-ratelimit-remaining-tokens"] = str(self.remaining_tokens)
+            out["x-ratelimit-reset-tokens"] = format_duration(self.reset_tokens_ms)
+        return out
+
+
+@dataclass(slots=True)
+class Admission:
+    """An admitted request's hold on its quotas, released by `settle` exactly once."""
+
+    principal: Principal
+    request_id: str
+    reserved_tokens: int
+    month: str
+    state: RateLimitState
+    settled: bool = field(default=False)
+
+    def headers(self) -> dict[str, str]:
+        return self.state.headers()
+
+
+def _level_keys(principal: Principal, month: str) -> tuple[list[str], list[str]]:
+    tenant = [quota_key("t", principal.tenant_id, n)
+              for n in ("rpm", "tpm", "inflight", f"tokens:{month}")]
+    key = [quota_key("k", principal.api_key_id, n)
+           for n in ("rpm", "tpm", "inflight", f"tokens:{month}")]
+    return tenant, key
+
+
+def _limit_args(principal: Principal) -> list[int]:
+    out = []
+    for limits in (principal.tenant_limits, principal.key_limits):
+        out += [limits.requests_per_minute or 0, limits.tokens_per_minute or 0,
+                limits.max_concurrent_requests or 0, limits.monthly_token_cap or 0]
+    return out
+
+
+async def _run(client: aioredis.Redis, sha: str, source: str, keys: list[str],
+               args: list) -> list[int]:
+    try:
+        try:
+            return await client.evalsha(sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return await client.eval(source, len(keys), *keys, *args)
+    except redis.RedisError as exc:
+        raise ServiceUnavailable("quota admission is unavailable right now; retry shortly"
+                                 ) from exc
+
+
+async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
+    """Refuses the request (429 insufficient_quota) once the tenant's spend this month has
+    reached its monthly spend cap (docs/billing.md).
+
+    Billing keeps the cap and the month's committed spend in Redis (billing/spend.py):
+    one MGET, no database. Requests already in flight when the cap is reached still
+    finish, so spend can pass the cap by their cost. The monthly *token* cap is the
+    admission script's.
+    """
+    month, reset_ms = month_window()
+    try:
+        state = await billing_spend.cap_state(client, tenant_id=principal.tenant_id,
+                                              month=month)
+    except redis.RedisError as exc:
+        raise ServiceUnavailable("quota admission is unavailable right now; retry shortly"
+                                 ) from exc
+    if state is None or not state.reached:
+        return
+    wait_ms = max(0, reset_ms - int(time.time() * 1000))
+    cap = to_cents(from_micros(state.cap_micros))
+    spent = to_cents(from_micros(state.spent_micros))
+    raise QuotaExceeded(
+        f"You reached the monthly spend cap of tenant '{principal.tenant_slug}' ({cap} "
+        f"{state.currency}; {spent} {state.currency} spent this month). It resets in "
+        f"{format_duration(wait_ms)}.",
+        headers={"x-should-retry": "false", "retry-after": str(max(1, math.ceil(
+            wait_ms / 1000)))})
+
+
+async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str,
+                prompt_tokens: int, max_tokens: int, lease_s: float,
+                spend_checked: bool = False) -> Admission:
+    """Takes the request's share of every limit or none; raises RateLimited/QuotaExceeded
+    (429, with Retry-After and the x-ratelimit-* headers) when a limit is reached.
+    `spend_checked`: the precheck just read the spend cap; it is not read again."""
+    cost = prompt_tokens + max_tokens
+    if not spend_checked:
+        await spend_cap_check(client, principal)
+    month, month_reset_ms = month_window()
+    tenant_keys, key_keys = _level_keys(principal, month)
+    keys = [*tenant_keys, *key_keys]
+    args = [request_id, cost, int(lease_s * 1000), month_reset_ms, *_limit_args(principal), 0]
+    reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
+    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply
+    state = RateLimitState(rl, rr, rreset, tl, tr, treset)
+    if ok:
+        return Admission(principal=principal, request_id=request_id, reserved_tokens=cost,
+                         month=month, state=state)
+    raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
+                   limit=failed_limit, cost=cost, state=state)
+
+
+async def precheck(client: aioredis.Redis, *, principal: Principal) -> None:
+    """Refuses (429) at once a caller that no request could pass now (at its requests per
+    minute, concurrency, monthly tokens or spend cap), before its prompt is tokenized:
+    a refused tenant cannot make the web tier parse megabytes. Takes nothing."""
+    await spend_cap_check(client, principal)
+    month, month_reset_ms = month_window()
+    tenant_keys, key_keys = _level_keys(principal, month)
+    keys = [*tenant_keys, *key_keys]
+    # One token: the least any request costs (max_tokens is at least 1).
+    args = ["", 1, 0, month_reset_ms, *_limit_args(principal), 1]
+    reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
+    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply
+    if not ok:
+        raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
+                       limit=failed_limit, cost=1,
+                       state=RateLimitState(rl, rr, rreset, tl, tr, treset))
+
+
+def _refusal(principal: Principal, *, reason: int, level: str, retry_ms: int, limit: int,
+             cost: int, state: RateLimitState) -> RateLimited | QuotaExceeded:
+    headers = state.headers()
+    owner = (f"tenant '{principal.tenant_slug}'" if level == "tenant"
+             else f"API key {principal.api_key_prefix}…")
+    if reason == REASON_TOO_LARGE:
+        # Waiting cannot help: tell clients not to retry.
+        headers["x-should-retry"] = "false"
+        return RateLimited(f"Request too large for tokens per minute (TPM) of {owner}: "
+                           f"limit {limit}, requested {cost} (prompt + max_tokens). Use a "
+                           "shorter prompt or a smaller max_tokens.",
+                           type="tokens", headers=headers)
+    retry_s = retry_ms / 1000
+    headers["retry-after"] = str(max(1, math.ceil(retry_s)))
+    headers["retry-after-ms"] = str(max(1, retry_ms))
+    wait = format_duration(retry_ms)
+    if reason == REASON_MONTH:
+        headers["x-should-retry"] = "false"
+        return QuotaExceeded(f"You exceeded the monthly token quota of {owner} ({limit} "
+                             f"tokens). It resets in {wait}.", headers=headers)
+    what, kind = {REASON_CONCURRENCY: ("concurrent requests", "requests"),
+                  REASON_RPM: ("requests per minute (RPM)", "requests"),
+                  REASON_TPM: ("tokens per minute (TPM)", "tokens")}[reason]
+    return RateLimited(f"Rate limit reached for {what} of {owner}: limit {limit}. "
+                       f"Please try again in {wait}.", type=kind, headers=headers)
+
+
+async def settle(client: aioredis.Redis, admission: Admission, *, used_tokens: int) -> bool:
+    """Frees the slot and gives back reserved-but-unused tokens; True if this call did it."""
+    if admission.settled:
+        return False
+    admission.settled = True
+    principal = admission.principal
+    tenant_keys, key_keys = _level_keys(principal, admission.month)
+    keys = [*tenant_keys[1:], *key_keys[1:]]
+    refund = max(0, admission.reserved_tokens - max(0, used_tokens))
+    args = [admission.request_id, refund, principal.tenant_limits.tokens_per_minute or 0,
+            principal.key_limits.tokens_per_minute or 0]
+    return bool(await _run(client, _SETTLE_SHA, SETTLE_LUA, keys, args))

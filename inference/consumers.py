@@ -1,0 +1,154 @@
+"""Streaming over a websocket: several requests at once on one socket, each cancellable.
+
+Client → server (JSON text frames):
+  {"type": "request", "id": "<client id>", "endpoint": "chat.completions" | "completions",
+   "body": {...same body as the HTTP API...}}
+  {"type": "cancel", "id": "<client id>"}
+Server → client:
+  {"type": "chunk", "id": ..., "data": <chunk object as over SSE>}
+  {"type": "done", "id": ...}                 after the last chunk
+  {"type": "cancelled", "id": ...}            after a cancel took effect
+  {"type": "error", "id": ..., "status": 400, "error": {OpenAI error object}}
+                                              (429s also carry "headers": retry-after and
+                                               x-ratelimit-*)
+
+The key is checked again (through the key cache) for every request, so a key
+revoked while its socket is open stops working at its next request; every
+request is admitted against the tenant's and the key's quotas as over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing
+from typing import Any
+
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from core.websockets import origin_allowed, scope_headers
+from inference import pipeline, requestlog, service
+from inference.auth import authenticate
+from inference.errors import ApiError, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 16
+MAX_CLIENT_ID = 128
+ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion"}
+CLOSE_UNAUTHORIZED = 4401
+
+
+class InferenceConsumer(AsyncWebsocketConsumer):
+    async def connect(self) -> None:
+        headers = scope_headers(self.scope)
+        if not origin_allowed(headers.get("origin"), headers.get("host")):
+            await self.close()  # before accept: the handshake is refused with 403
+            return
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.authorization = headers.get("authorization")
+        try:
+            await authenticate(self.authorization)
+        except ApiError as exc:
+            await self.accept()
+            await self._send({"type": "error", "id": None, "status": exc.status,
+                              "error": exc.body()["error"]})
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        for task in list(getattr(self, "tasks", {}).values()):
+            task.cancel()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        try:
+            message = json.loads(text_data) if text_data is not None else None
+        except (ValueError, RecursionError):
+            message = None
+        if not isinstance(message, dict):
+            return await self._error(None, InvalidRequest("messages must be JSON objects",
+                                                          code="invalid_json"))
+        client_id = message.get("id")
+        if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID:
+            return await self._error(None, InvalidRequest(
+                f"'id' must be a string of 1 to {MAX_CLIENT_ID} characters", param="id",
+                code="invalid_value"))
+        if message.get("type") == "cancel":
+            task = self.tasks.get(client_id)
+            if task is not None:
+                task.cancel()
+            return
+        if message.get("type") != "request":
+            return await self._error(client_id, InvalidRequest(
+                "'type' must be 'request' or 'cancel'", param="type", code="invalid_value"))
+        endpoint = message.get("endpoint")
+        kind = ENDPOINTS.get(endpoint) if isinstance(endpoint, str) else None
+        if kind is None:
+            return await self._error(client_id, InvalidRequest(
+                f"'endpoint' must be one of {sorted(ENDPOINTS)}", param="endpoint",
+                code="invalid_value"))
+        if client_id in self.tasks:
+            return await self._error(client_id, InvalidRequest(
+                "a request with this id is already running on this socket", param="id",
+                code="duplicate_id"))
+        if len(self.tasks) >= MAX_IN_FLIGHT:
+            return await self._error(client_id, ApiError(
+                f"at most {MAX_IN_FLIGHT} requests may run at once on one socket",
+                status=429, code="too_many_requests"))
+        body = message.get("body")
+        if isinstance(body, dict):
+            body = {**body, "stream": True}  # a socket always streams
+        task = asyncio.create_task(self._run(client_id, kind, body))
+        self.tasks[client_id] = task
+        task.add_done_callback(lambda _t, cid=client_id: self.tasks.pop(cid, None))
+
+    async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
+        trace: requestlog.Trace | None = None
+        try:
+            principal = await authenticate(self.authorization)
+            # Logged when it ends, however it ends (requestlog.py).
+            trace = requestlog.Trace(principal, kind, transport="websocket")
+            trace.body = body
+            started = await pipeline.start(trace)
+            # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as
+            # often as in the stream): the engine is stopped, its usage learnt and the
+            # request logged before the client is told "cancelled".
+            async with aclosing(trace.observe(service.stream_chunks(
+                    started.prepared, started.dispatch, started.admission))) as chunks:
+                async for chunk in chunks:
+                    await self._send({"type": "chunk", "id": client_id, "data": chunk})
+            await self._send({"type": "done", "id": client_id})
+        except ApiError as exc:
+            if trace is not None:
+                trace.fail(exc)
+            await self._error(client_id, exc)
+        except asyncio.CancelledError:
+            if trace is not None:
+                trace.cancel()
+            # stream_chunks' cleanup has told the engine; tell the client if it is still there.
+            try:
+                await self._send({"type": "cancelled", "id": client_id})
+            except Exception:  # noqa: BLE001 - the socket may be gone already
+                pass
+            raise
+        except Exception as exc:
+            if trace is not None:
+                trace.fail(exc)
+            log.exception("websocket request failed")
+            await self._error(client_id, ApiError("internal error", status=500,
+                                                  code="internal_error"))
+        finally:
+            if trace is not None:
+                trace.submit()
+
+    async def _error(self, client_id: str | None, exc: ApiError) -> None:
+        message = {"type": "error", "id": client_id, "status": exc.status,
+                   "error": exc.body()["error"]}
+        if exc.status == 429 and exc.headers:
+            message["headers"] = exc.headers
+        await self._send(message)
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps(message, separators=(",", ":")))

@@ -1,0 +1,186 @@
+"""The dispatch client: queue a request for the engines and relay its events back.
+
+Speaks engine/protocol.py over Redis and nothing else: see docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from engine import protocol
+from inference.errors import DeadlineExceeded, EngineFailed, NoEngineAvailable
+
+# How long the relay waits on the events stream before it checks that the
+# engine (or, while queued, any engine) is still alive.
+POLL_S = 1.0
+# How long a request's cleanup waits, after cancelling it, for the engine's final event
+# and its usage (an engine checks for cancels before every step).
+FINAL_WAIT_S = 2.0
+
+
+async def alive_engines(redis: aioredis.Redis, model: str) -> list[protocol.EngineHeartbeat]:
+    since = time.time() - protocol.HEARTBEAT_TTL_S
+    ids = await redis.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf")
+    if not ids:
+        return []
+    docs = await redis.mget([protocol.engine_key(i.decode()) for i in ids])
+    beats = [protocol.EngineHeartbeat.decode(d) for d in docs if d]
+    return [b for b in beats if b.model == model and b.sent_at >= since]
+
+
+async def _engine_alive(redis: aioredis.Redis, engine_id: str) -> bool:
+    score = await redis.zscore(protocol.ENGINES_ZSET, engine_id)
+    return score is not None and score >= time.time() - protocol.HEARTBEAT_TTL_S
+
+
+class Dispatch:
+    """One request's trip through Redis: submit, relay events, cancel, learn its usage."""
+
+    def __init__(self, redis: aioredis.Redis, request: protocol.EngineRequest,
+                 deadline: float) -> None:
+        self.redis = redis
+        self.request = request
+        self.deadline = deadline
+        self.entry_id: bytes | None = None
+        self.owner: str | None = None
+        # No more work to stop: the final event was read, or the engine told to stop.
+        self.finished = False
+        # The engine's usage from its final event: the count it reports for billing.
+        self.usage: dict | None = None
+        self.completion_tokens = 0  # in the deltas read so far
+        # Set by the one cleanup (service.close) once it started; the request log waits
+        # for it, so it is written with the engine's count.
+        self.closing: asyncio.Future | None = None
+        self._last_id = b"0-0"
+        self._expected_seq = 0
+        # No final event will come: cancelled while queued before any engine read it, or
+        # its engine is gone (another engine's recovery settles it later).
+        self._unreachable = False
+
+    @property
+    def final_read(self) -> bool:
+        return self.usage is not None
+
+    def counted_usage(self) -> dict[str, int]:
+        """What the request consumed: the engine's usage once its final event was read;
+        before that, what the engine's recovery would report from the deltas read (every
+        token in them, and the whole prompt once a token was made)."""
+        if self.usage is not None:
+            return {k: int(self.usage.get(k) or 0)
+                    for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
+        made = self.completion_tokens
+        return {"prompt_tokens": len(self.request.prompt_token_ids) if made else 0,
+                "cached_tokens": 0, "completion_tokens": made}
+
+    async def submit(self) -> None:
+        if not await alive_engines(self.redis, self.request.model):
+            raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
+                                    "right now; retry shortly")
+        self.entry_id = await self.redis.xadd(
+            protocol.request_stream(self.request.model), self.request.encode(),
+            maxlen=protocol.REQUEST_STREAM_MAXLEN, approximate=True)
+
+    async def cancel(self) -> None:
+        """Stop the request wherever it is; safe to call more than once."""
+        if self.finished:
+            return
+        self.finished = True
+        stream = protocol.request_stream(self.request.model)
+        queued = self.owner is None and self.entry_id is not None
+        # NOTE: one MULTI: an engine either read the entry before (it is pending, and that
+        # engine will see the cancel key and write a final event) or never will.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(protocol.cancel_key(self.request.request_id), b"1",
+                     ex=protocol.EVENTS_TTL_S)
+            if queued:
+                # Still queued: take it off the stream so nothing is left behind.
+                pipe.xpending_range(stream, protocol.ENGINE_GROUP, min=self.entry_id,
+                                    max=self.entry_id, count=1)
+                pipe.xdel(stream, self.entry_id)
+            replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        if queued:
+            pending, deleted = replies[1], replies[2]
+            # An error (no consumer group) tells nothing: the wait for a final event stays.
+            self._unreachable = deleted == 1 and pending == []
+
+    async def wait_final(self, timeout: float) -> None:
+        """After a cancel: reads what the engine still wrote, up to its final event, so that
+        `usage` is the engine's own count (the one it reports to billing) and not the part
+        of it relayed so far. Gives up after `timeout` (a dead engine: its recovery reports
+        what the deltas show, as `counted_usage` then does)."""
+        if self.final_read or self._unreachable:
+            return
+        give_up = time.time() + timeout
+        stream = protocol.events_stream(self.request.request_id)
+        while (remaining := give_up - time.time()) > 0:
+            reply = await self.redis.xread({stream: self._last_id}, count=256,
+                                           block=max(1, int(remaining * 1000)))
+            for entry_id, fields in reply[0][1] if reply else ():
+                event = protocol.Event.decode(fields)
+                if event.seq != self._expected_seq:
+                    return
+                await self._take(entry_id, event)
+                if event.is_final:
+                    return
+
+    async def events(self) -> AsyncIterator[protocol.Event]:
+        """Yields the request's events in order until the final one.
+
+        Raises DeadlineExceeded, EngineFailed or NoEngineAvailable (after
+        cancelling) when the request cannot finish.
+        """
+        stream = protocol.events_stream(self.request.request_id)
+        while True:
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                await self.cancel()
+                raise DeadlineExceeded("the request did not finish before its deadline")
+            reply = await self.redis.xread({stream: self._last_id}, count=256,
+                                           block=max(1, int(min(remaining, POLL_S) * 1000)))
+            if not reply:
+                await self._check_liveness()
+                continue
+            for entry_id, fields in reply[0][1]:
+                event = protocol.Event.decode(fields)
+                if event.seq != self._expected_seq:
+                    await self.cancel()
+                    raise EngineFailed(f"lost events from the engine (expected "
+                                       f"{self._expected_seq}, got {event.seq})")
+                await self._take(entry_id, event)
+                yield event
+                if event.is_final:
+                    return
+
+    async def _take(self, entry_id: bytes, event: protocol.Event) -> None:
+        """Counts one event in, in order."""
+        self._last_id = entry_id
+        self._expected_seq += 1
+        if event.type == protocol.EV_ACCEPTED:
+            self.owner = event.data.get("engine_id")
+        elif event.type == protocol.EV_DELTA:
+            self.completion_tokens += len(event.data.get("token_ids") or ())
+        if event.is_final:
+            self.finished = True
+            self.usage = event.data.get("usage") or {}
+            await self.redis.delete(protocol.events_stream(self.request.request_id))
+
+    async def _check_liveness(self) -> None:
+        if self.owner is not None:
+            if not await _engine_alive(self.redis, self.owner):
+                await self._give_up()
+                raise EngineFailed("the engine running this request stopped responding")
+        elif not await alive_engines(self.redis, self.request.model):
+            await self._give_up()
+            raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
+                                    "right now; retry shortly")
+
+    async def _give_up(self) -> None:
+        """No engine left to answer: cancelled, and no final event is waited for."""
+        await self.cancel()
+        self._unreachable = True

@@ -1,0 +1,59 @@
+"""The inference API's errors: the platform's one family (core.errors) plus its own."""
+
+from __future__ import annotations
+
+from core.errors import (
+    ApiError,
+    AuthenticationFailed,
+    InvalidRequest,
+    PermissionDenied,
+    QuotaExceeded,
+    RateLimited,
+    ServiceUnavailable,
+)
+
+__all__ = [
+    "ApiError", "AuthenticationFailed", "InvalidRequest", "PermissionDenied", "QuotaExceeded",
+    "RateLimited", "ServiceUnavailable", "ModelNotFound", "ContextLengthExceeded",
+    "BodyTooLarge", "NoEngineAvailable", "EngineFailed", "DeadlineExceeded", "AdapterNotReady",
+]
+
+
+class ModelNotFound(ApiError):
+    status = 404
+    code = "model_not_found"
+
+
+class AdapterNotReady(ApiError):
+    """The caller's own adapter exists but is still validating, or failed validation."""
+
+    status = 409
+    code = "adapter_not_ready"
+
+
+class ContextLengthExceeded(ApiError):
+    status = 400
+    code = "context_length_exceeded"
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    code = "request_too_large"
+
+
+class NoEngineAvailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "engine_unavailable"
+
+
+class EngineFailed(ApiError):
+    status = 502
+    type = "server_error"
+    code = "engine_error"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    type = "server_error"
+    code = "timeout"

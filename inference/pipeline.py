@@ -1,0 +1,54 @@
+"""The one path a request takes to the engine, whatever it came in on.
+
+authenticate → (the entry point's trace) → precheck → prepare → admit → dispatch, then the
+entry point relays ``service.stream_chunks`` or ``service.collect``, whose own cleanup
+(``service.close``) settles the admission. The JSON view, SSE and the websocket call
+:func:`start`; the Batch API will too. A step that refuses gives back what the steps
+before it took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+
+from core.errors import ApiError
+from inference import admission as quota
+from inference import service
+from inference.dispatch import Dispatch
+from inference.requestlog import Trace
+
+
+@dataclass(slots=True)
+class Started:
+    """A request admitted and queued for an engine."""
+
+    prepared: service.Prepared
+    admission: quota.Admission
+    dispatch: Dispatch
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every answer to it carries: its id and the caller's rate-limit state."""
+        return {"x-request-id": self.prepared.response_id, **self.admission.headers()}
+
+
+async def start(trace: Trace) -> Started:
+    """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace."""
+    await service.precheck(trace.principal)  # a refused caller costs no tokenizing
+    # Tokenizing a long prompt is CPU work: keep it off the event loop.
+    prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
+        principal=trace.principal, kind=trace.kind, body=trace.body)
+    trace.prepared = prepared
+    admission = await service.admit(prepared)
+    try:
+        dispatch = await service.open_dispatch(prepared)
+    except BaseException as exc:
+        await service.release(prepared, admission, None)
+        if isinstance(exc, ApiError):
+            exc.headers = {"x-request-id": prepared.response_id, **admission.headers(),
+                           **exc.headers}
+        raise
+    trace.dispatch = dispatch
+    return Started(prepared, admission, dispatch)

@@ -1,0 +1,234 @@
+"""The inference API's side of request logs: follow a request, log it when it ends.
+
+A `Trace` is opened once the caller is authenticated (before that there is no
+tenant to log for) and learns the body, the prepared request, the dispatch and
+the outcome as the view or websocket consumer gets them; a streamed response
+is followed chunk by chunk through `observe`. When the request ends, however it
+ends, `submit` hands it to a background task that builds the entry (decoding a
+token-id prompt, reading timings) and writes it in a worker thread: redaction
+and the ORM never run on the event loop, and no response waits for them.
+docs/request-logs.md has the reasoning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import connection
+
+from core.errors import ApiError
+from inference.service import completion_id
+from requestlogs.facade import RequestLogEntry, request_log_record
+from tenants.facade import Principal
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": the caller went away first
+_pending: set[asyncio.Task] = set()
+_BACKLOG_WARNING = 1000
+# Longer than a request's cleanup waits for the engine's final event (FINAL_WAIT_S).
+_CLOSE_WAIT_S = 5.0
+
+
+def _ms(seconds: Any) -> int | None:
+    return None if seconds is None else max(0, int(round(float(seconds) * 1000)))
+
+
+class Trace:
+    """One request as the request log will tell it."""
+
+    def __init__(self, principal: Principal, kind: str, *, transport: str) -> None:
+        self.principal = principal
+        self.kind = kind
+        self.transport = transport
+        self.started_at = time.time()
+        self._t0 = time.monotonic()
+        self.body: Any = None
+        self.prepared: Any = None  # service.Prepared, once parsed
+        self.dispatch: Any = None  # dispatch.Dispatch, once queued
+        self.status: int | None = None
+        self.error_code = ""
+        self.finish_reason = ""
+        self.parts: list[str] = []
+        self._streamed = False
+        self._submitted = False
+
+    # --- what happened ---------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        """The request ended with an error (the first outcome recorded is kept)."""
+        if self.status is None:
+            if isinstance(exc, ApiError):
+                self.status, self.error_code = exc.status, exc.code or exc.type
+            else:
+                self.status, self.error_code = 500, "internal_error"
+
+    def cancel(self) -> None:
+        if self.status is None:
+            self.status, self.error_code = CLIENT_CLOSED, "client_closed"
+
+    def completed(self, response: dict[str, Any]) -> None:
+        """A whole (non-streamed) response object."""
+        choice = (response.get("choices") or [{}])[0]
+        text = choice["message"]["content"] if "message" in choice else choice.get("text")
+        self.parts = [text or ""]
+        self.finish_reason = choice.get("finish_reason") or ""
+        if self.status is None:
+            self.status = 200
+
+    def observe(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        """Passes a stream's chunks through, and logs the request when the stream ends."""
+        self._streamed = True
+        return self._observe(chunks)
+
+    async def _observe(self, chunks: AsyncIterator[dict[str, Any]]
+                       ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            # NOTE: closed here, not left to the garbage collector: the stream's cleanup
+            # (which learns the engine's final usage) runs before the log is submitted.
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    for choice in chunk.get("choices") or ():
+                        text = (choice.get("delta") or {}).get("content") \
+                            if "delta" in choice else choice.get("text")
+                        if text:
+                            self.parts.append(text)
+                        if choice.get("finish_reason"):
+                            self.finish_reason = choice["finish_reason"]
+                    yield chunk
+            if self.status is None:
+                self.status = 200
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancel()
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            self.submit()
+
+    def close(self) -> None:
+        """The view or consumer is done with the request; a stream logs it when it ends."""
+        if not self._streamed:
+            self.submit()
+
+    # --- the log entry ---------------------------------------------------------------------
+
+    def submit(self) -> None:
+        """Schedules the write, once. Never raises: logging must not fail a request."""
+        if self._submitted:
+            return
+        self._submitted = True
+        if self.status is None:  # left without an outcome: an exception nobody named
+            self.status, self.error_code = 500, "internal_error"
+        self._latency_ms = int((time.monotonic() - self._t0) * 1000)
+        try:
+            task = asyncio.get_running_loop().create_task(_write(self))
+        except RuntimeError:  # no loop (a synchronous caller): write here
+            _record(self)
+            return
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+        if len(_pending) > _BACKLOG_WARNING:
+            log.warning("request log writes are falling behind: %d pending", len(_pending))
+
+    def _prompt(self) -> Any:
+        """The prompt as the client sent it: a string, chat messages, or token ids. Token
+        ids, however nested, are decoded (redaction reads text) or, without a tokenizer
+        (the request was refused before parsing), dropped: they are never stored."""
+        body = self.body if isinstance(self.body, dict) else {}
+        model = getattr(self.prepared, "model", None)
+
+        def text_of(value: Any) -> Any:
+            if isinstance(value, list) and value and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in value):
+                if model is None:
+                    return None
+                try:
+                    return model.tokenizer.decode(value)
+                except (OverflowError, ValueError, TypeError):  # ids no tokenizer knows
+                    return None
+            if isinstance(value, list):
+                return [text_of(v) for v in value]
+            if isinstance(value, dict):
+                return {k: text_of(v) for k, v in value.items()}
+            return value if isinstance(value, str) else None
+
+        return text_of(body.get("messages") if self.kind == "chat" else body.get("prompt"))
+
+    def entry(self, *, bodies: bool = True) -> RequestLogEntry:
+        """The log entry; `bodies=False` leaves out the prompt and completion (the fallback
+        when the client's body cannot be turned into text: the metadata row is always
+        written)."""
+        prepared, dispatch = self.prepared, self.dispatch
+        # Timings only come with the engine's final event.
+        usage = (getattr(dispatch, "usage", None) or {}) if dispatch is not None else {}
+        if prepared is not None:
+            request_id = prepared.engine_request.request_id
+            model, adapter = prepared.model.name, (prepared.adapter.display_name
+                                                   if prepared.adapter else "")
+            stream = bool(prepared.params.stream)
+        else:
+            body = self.body if isinstance(self.body, dict) else {}
+            # Refused before it was parsed: no id was sent back; one in the same shape.
+            request_id, adapter = completion_id(self.kind), ""
+            model = body.get("model") if isinstance(body.get("model"), str) else ""
+            stream = self.transport == "websocket" or body.get("stream") is True
+        # The engine's count, as billed; without its final event, what recovery would bill.
+        counted = dispatch.counted_usage() if dispatch is not None else {}
+        return RequestLogEntry(
+            request_id=request_id, tenant_id=self.principal.tenant_id, endpoint=self.kind,
+            transport=self.transport, model=model, adapter=adapter, stream=stream,
+            status=self.status or 500, error_code=self.error_code,
+            finish_reason=self.finish_reason, api_key_id=self.principal.api_key_id,
+            api_key_prefix=self.principal.api_key_prefix,
+            prompt_tokens=counted.get("prompt_tokens", 0),
+            cached_tokens=counted.get("cached_tokens", 0),
+            completion_tokens=counted.get("completion_tokens", 0),
+            queue_ms=_ms(usage.get("queue_s")),
+            ttft_ms=_ms(usage.get("ttft_s")), total_ms=_ms(usage.get("total_s")),
+            latency_ms=self._latency_ms, created_at=self.started_at,
+            prompt=self._prompt() if bodies else None,
+            completion=("".join(self.parts) if (self.parts or self.status == 200) else None)
+            if bodies else None)
+
+
+def _record(trace: Trace) -> None:
+    try:
+        try:
+            entry = trace.entry()
+        except Exception:  # noqa: BLE001 - a body nobody foresaw: keep the metadata
+            log.warning("request log of tenant %s: bodies left out, they could not be read",
+                        trace.principal.tenant_id, exc_info=True)
+            entry = trace.entry(bodies=False)
+        request_log_record(entry=entry)
+    except Exception:  # noqa: BLE001 - a lost log line must not fail anything else
+        log.warning("could not write the request log of a request of tenant %s",
+                    trace.principal.tenant_id, exc_info=True)
+
+
+def _record_in_thread(trace: Trace) -> None:
+    try:
+        _record(trace)
+    finally:
+        connection.close()  # a pool thread, not a request: nobody else closes it
+
+
+async def _write(trace: Trace) -> None:
+    closing = getattr(trace.dispatch, "closing", None)
+    if closing is not None:
+        # The request's cleanup learns the engine's usage, the count billing gets.
+        await asyncio.wait([closing], timeout=_CLOSE_WAIT_S)
+    await sync_to_async(_record_in_thread, thread_sensitive=False)(trace)
+
+
+async def drain() -> None:
+    """Waits for the writes scheduled so far (shutdown, tests)."""
+    while _pending:
+        await asyncio.gather(*list(_pending), return_exceptions=True)

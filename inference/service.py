@@ -1,0 +1,410 @@
+"""Inference requests from parsed body to OpenAI objects, shared by HTTP and websocket.
+
+`prepare` is synchronous and pure (parse, tokenize, check limits); `admit` takes
+the request's share of its tenant's and key's quotas; `open_dispatch` queues the
+request; `stream_chunks` and `collect` turn engine events into OpenAI chunk
+objects or a whole response, and clean up (`close`: stop the engine's work, learn
+its usage, settle the quotas) however they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from django.conf import settings
+
+from adapters.facade import (
+    AdapterNotFound,
+    AdapterUnavailable,
+    ModelRef,
+    ServedAdapter,
+    adapter_list_usable,
+    adapter_resolve,
+    parse_model,
+)
+from core.redis import async_client
+from core.served_models import ChatTemplateError, ServedModel, served_models
+from engine import protocol
+from inference import admission as quota
+from inference import params as p
+from inference.dispatch import FINAL_WAIT_S, Dispatch
+from inference.errors import (
+    AdapterNotReady,
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    EngineFailed,
+    InvalidRequest,
+    ModelNotFound,
+    NoEngineAvailable,
+)
+from tenants.facade import Principal
+
+log = logging.getLogger(__name__)
+Kind = Literal["chat", "completion"]
+# Completions default to OpenAI's 16 tokens; chat to what the context window leaves.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def completion_id(kind: Kind) -> str:
+    """A new request's one id: the completion's ``id`` (and ``x-request-id``) the client
+    sees, the engine's request id, and the key of its ledger row and request log."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class Prepared:
+    kind: Kind
+    created: int
+    model: ServedModel
+    adapter: ServedAdapter | None
+    params: p.GenerationParams
+    engine_request: protocol.EngineRequest
+    principal: Principal | None = None
+
+    @property
+    def response_id(self) -> str:
+        """The id the client sees: the same string the engine, the ledger and the log use."""
+        return self.engine_request.request_id
+
+    @property
+    def model_id(self) -> str:
+        """The model as responses name it: the adapter's id when one is used."""
+        return self.adapter.model_id if self.adapter else self.model.name
+
+
+def cache_salt(*, tenant_id: int, model: str, adapter_hash: str | None) -> str:
+    """Prefix-cache scope: computed here, from server-side facts only."""
+    material = f"tenant={tenant_id}\x00model={model}\x00adapter={adapter_hash or '-'}"
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+def resolve_model(name: str, principal: Principal | None = None
+                  ) -> tuple[ServedModel, ServedAdapter | None]:
+    """The base model and the adapter ``name`` means for this caller (docs/adapters.md).
+
+    Another tenant's private adapter reads as unknown: its existence is not disclosed.
+    NOTE: a database read when an adapter is named; call it off the event loop.
+    """
+    missing = ModelNotFound(f"The model '{name}' does not exist or you do not have access "
+                            "to it.", param="model")
+    ref: ModelRef | None = parse_model(name)
+    model = served_models().get(ref.base) if ref else None
+    if model is None:
+        raise missing
+    if ref.adapter is None:
+        return model, None
+    if principal is None:
+        raise missing
+    try:
+        adapter = adapter_resolve(tenant_id=principal.tenant_id,
+                                  tenant_slug=principal.tenant_slug, ref=ref)
+    except AdapterNotFound:
+        raise missing from None
+    except AdapterUnavailable as exc:
+        detail = f": {exc.reason}" if exc.reason else ""
+        raise AdapterNotReady(f"The adapter '{name}' is {exc.status}{detail}; only ready "
+                              f"adapters can be called.", param="model") from None
+    return model, adapter
+
+
+def model_objects(principal: Principal) -> list[dict[str, Any]]:
+    """``/v1/models``: each base model, then every adapter this key may call on it."""
+    data = []
+    for model in served_models().values():
+        data.append({"id": model.name, "object": "model", "created": model.created,
+                     "owned_by": "atrium"})
+        data.extend(adapter_object(a) for a in adapter_list_usable(
+            tenant_id=principal.tenant_id, tenant_slug=principal.tenant_slug, base=model.name))
+    return data
+
+
+def model_object(name: str, principal: Principal) -> dict[str, Any]:
+    model, adapter = resolve_model(name, principal)
+    if adapter is not None:
+        return adapter_object(adapter, model_id=name)
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "atrium"}
+
+
+def adapter_object(adapter: ServedAdapter, model_id: str | None = None) -> dict[str, Any]:
+    return {"id": model_id or adapter.model_id, "object": "model", "created": adapter.created,
+            "owned_by": adapter.owner_slug, "root": adapter.model_id.split(":")[0],
+            "parent": adapter.model_id.split(":")[0], "version": adapter.version}
+
+
+def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
+    parsed = p.parse_chat(body) if kind == "chat" else p.parse_completion(body)
+    params = parsed.params
+    model, adapter = resolve_model(params.model, principal)
+    if kind == "chat":
+        try:
+            prompt_ids = model.encode_chat(parsed.messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"messages cannot be rendered: {exc}", param="messages",
+                                 code="invalid_value") from exc
+    elif isinstance(parsed.prompt, str):
+        prompt_ids = model.encode_prompt(parsed.prompt)
+    else:
+        vocab = model.vocab_size()
+        if any(t >= vocab for t in parsed.prompt):
+            raise InvalidRequest(f"token ids in 'prompt' must be below {vocab}",
+                                 param="prompt", code="invalid_value")
+        prompt_ids = list(parsed.prompt)
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt" if kind == "completion"
+                             else "messages", code="invalid_value")
+    window = model.context_window
+    room = window - len(prompt_ids)
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, your "
+            f"prompt has {len(prompt_ids)} tokens.", param=prompt_param)
+    plan_prompt = principal.max_prompt_tokens
+    if plan_prompt is not None and len(prompt_ids) > plan_prompt:
+        raise ContextLengthExceeded(
+            f"Your quota allows prompts of at most {plan_prompt} tokens. However, your "
+            f"prompt has {len(prompt_ids)} tokens.", param=prompt_param)
+    max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
+    who = "This server allows"
+    if principal.max_output_tokens is not None and principal.max_output_tokens < max_output:
+        max_output, who = principal.max_output_tokens, "Your quota allows"
+    field = params.max_tokens_param
+    if params.max_tokens is None:
+        default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max_output
+        params.max_tokens = min(default, room, max_output)
+    elif params.max_tokens > max_output:
+        raise InvalidRequest(f"'{field}' is too large: {params.max_tokens}. {who} "
+                             f"at most {max_output} output tokens.", param=field,
+                             code="invalid_value")
+    elif params.max_tokens > room:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, you "
+            f"requested {len(prompt_ids) + params.max_tokens} tokens "
+            f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).",
+            param=field)
+    created = int(time.time())
+    engine_request = protocol.EngineRequest(
+        request_id=completion_id(kind),
+        model=model.name,
+        prompt_token_ids=prompt_ids,
+        sampling=protocol.SamplingSpec(
+            max_tokens=params.max_tokens, temperature=params.temperature,
+            top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=params.stop),
+        tenant_id=str(principal.tenant_id),
+        api_key_id=principal.api_key_id,
+        cache_salt=cache_salt(tenant_id=principal.tenant_id, model=model.name,
+                              adapter_hash=adapter.content_hash if adapter else None),
+        adapter=adapter.display_name if adapter else None,
+        adapter_hash=adapter.content_hash if adapter else None,
+        priority=principal.priority,
+        deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
+    )
+    return Prepared(kind=kind, created=created, model=model, adapter=adapter, params=params,
+                    engine_request=engine_request, principal=principal)
+
+
+async def precheck(principal: Principal) -> None:
+    """429 now for a caller at a limit no request could pass, before any parsing."""
+    await quota.precheck(async_client(), principal=principal)
+
+
+async def admit(prepared: Prepared) -> quota.Admission:
+    """Takes the request's share of its quotas; raises RateLimited / QuotaExceeded (429)."""
+    request = prepared.engine_request
+    admission = await quota.admit(
+        async_client(), principal=prepared.principal, request_id=request.request_id,
+        prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+        lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S,
+        spend_checked=True)  # by precheck(), which every caller runs first
+    return admission
+
+
+def used_tokens(dispatch: Dispatch | None) -> int:
+    """Prompt + completion tokens the request consumed: the engine's count when known."""
+    if dispatch is None:
+        return 0
+    usage = dispatch.counted_usage()
+    return usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def release(prepared: Prepared, admission: quota.Admission | None,
+                  dispatch: Dispatch | None) -> None:
+    """Settles the admission (once); never raises: a failure leaves the slot to its lease."""
+    if admission is None or admission.settled:
+        return
+    settling = asyncio.ensure_future(quota.settle(
+        async_client(), admission, used_tokens=used_tokens(dispatch)))
+    try:
+        # NOTE: shielded: a request cancelled by a disconnect still gives its quota back.
+        await asyncio.shield(settling)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001
+        log.warning("could not settle request %s; its slot expires with its lease",
+                    admission.request_id, exc_info=True)
+
+
+async def close(prepared: Prepared, dispatch: Dispatch,
+                admission: quota.Admission | None) -> None:
+    """A dispatched request's one cleanup, however it ended: the engine's work is stopped
+    if it still runs, the engine's final usage awaited (the count billing gets, so the
+    quota and the request log settle with the same one), the quota settled.
+
+    Runs once, shielded: a second cancellation (the socket closing too) does not cut it
+    short; the request log waits for it (requestlog.py).
+    """
+    if dispatch.closing is None:
+        dispatch.closing = asyncio.ensure_future(_close(prepared, dispatch, admission))
+        dispatch.closing.add_done_callback(_log_failed_close)
+    await asyncio.shield(dispatch.closing)
+
+
+def _log_failed_close(closing: asyncio.Future) -> None:
+    # NOTE: read here too: its awaiter may have been cancelled and never read it.
+    if not closing.cancelled() and closing.exception() is not None:
+        log.warning("cleaning up a request failed", exc_info=closing.exception())
+
+
+async def _close(prepared: Prepared, dispatch: Dispatch,
+                 admission: quota.Admission | None) -> None:
+    try:
+        if not dispatch.final_read:
+            await dispatch.cancel()
+            await dispatch.wait_final(FINAL_WAIT_S)
+    finally:
+        await release(prepared, admission, dispatch)
+
+
+async def open_dispatch(prepared: Prepared) -> Dispatch:
+    """Queues the request; raises NoEngineAvailable at once when no engine is alive."""
+    dispatch = Dispatch(async_client(), prepared.engine_request,
+                        deadline=prepared.engine_request.deadline or time.time())
+    await dispatch.submit()
+    return dispatch
+
+
+def _usage(data: dict[str, Any]) -> dict[str, Any]:
+    prompt = int(data.get("prompt_tokens", 0))
+    completion = int(data.get("completion_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(data.get("cached_tokens", 0))},
+    }
+
+
+def _raise_for_final(event: protocol.Event) -> None:
+    """The engine's last word as the client's error. The wire's error taxonomy: a request
+    the engine refused as invalid (one that cannot fit its KV cache, an adapter that cannot
+    load) is the client's 400; an engine stopped on purpose before it finished is a 503 to
+    retry (another engine, or this one restarted, will serve it); the engine's own failure,
+    or its death, is 502. 429 is admission's alone, 500 the web tier's own fault."""
+    if event.type == protocol.EV_ERROR:
+        code = event.data.get("code")
+        if code == protocol.ERROR_INVALID_REQUEST:
+            message = str(event.data.get("message") or "the engine refused this request")
+            raise InvalidRequest(message[:500], code="invalid_request")
+        if code == protocol.ERROR_ENGINE_SHUTDOWN:
+            raise NoEngineAvailable("the engine serving this request was stopped before it "
+                                    "finished; retry", headers={"retry-after": "1"})
+        raise EngineFailed(f"the engine failed this request ({code})")
+    if event.data.get("finish_reason") == protocol.FINISH_DEADLINE:
+        raise DeadlineExceeded("the request did not finish before its deadline")
+    if event.data.get("finish_reason") == protocol.FINISH_CANCELLED:
+        raise EngineFailed("the request was cancelled on the server")
+
+
+class _ChunkWriter:
+    def __init__(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+        chat = prepared.kind == "chat"
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(self, *, text: str | None = None, role: bool = False,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        if self.prepared.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"text": text or "", "index": 0, "logprobs": None,
+                      "finish_reason": finish_reason}
+        out = {"id": self.prepared.response_id, "object": self.object,
+               "created": self.prepared.created, "model": self.prepared.model_id,
+               "system_fingerprint": None, "choices": [choice]}
+        if self.prepared.params.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.prepared.response_id, "object": self.object,
+                "created": self.prepared.created, "model": self.prepared.model_id,
+                "system_fingerprint": None, "choices": [], "usage": usage}
+
+
+async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
+                        admission: quota.Admission | None = None
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI stream chunks; cancels the engine's work if the consumer goes away."""
+    writer = _ChunkWriter(prepared)
+    try:
+        if prepared.kind == "chat":
+            yield writer.chunk(role=True)
+        async for event in dispatch.events():
+            if event.type == protocol.EV_DELTA and event.data.get("text"):
+                yield writer.chunk(text=event.data["text"])
+            elif event.is_final:
+                _raise_for_final(event)
+                yield writer.chunk(finish_reason=event.data["finish_reason"],
+                                   text="" if prepared.kind == "completion" else None)
+                if prepared.params.include_usage:
+                    yield writer.usage_chunk(_usage(event.data.get("usage") or {}))
+    finally:
+        await close(prepared, dispatch, admission)
+
+
+async def abandon(prepared: Prepared, dispatch: Dispatch,
+                  admission: quota.Admission | None) -> None:
+    """A dispatched request whose response will never be read: cleaned up as a stream's
+    own cleanup would."""
+    await close(prepared, dispatch, admission)
+
+
+async def collect(prepared: Prepared, dispatch: Dispatch,
+                  admission: quota.Admission | None = None) -> dict[str, Any]:
+    """The whole (non-streaming) response object."""
+    parts: list[str] = []
+    try:
+        async for event in dispatch.events():
+            if event.type == protocol.EV_DELTA:
+                parts.append(event.data.get("text", ""))
+            elif event.is_final:
+                _raise_for_final(event)
+                final = event
+    finally:
+        await close(prepared, dispatch, admission)
+    text = "".join(parts)
+    reason = final.data["finish_reason"]
+    if prepared.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text,
+                                          "refusal": None},
+                  "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": prepared.response_id, "object": obj, "created": prepared.created,
+            "model": prepared.model_id, "system_fingerprint": None, "choices": [choice],
+            "usage": _usage(final.data.get("usage") or {})}

@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP API. Async views: nothing here blocks the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import wraps
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from inference import pipeline, requestlog, service
+from inference.auth import authenticate
+from inference.errors import ApiError, BodyTooLarge, InvalidRequest
+
+View = Callable[..., Awaitable[HttpResponse]]
+
+
+def api_view(method: str) -> Callable[[View], View]:
+    """Method check, OpenAI-shaped errors, no CSRF (the API authenticates by header)."""
+
+    def decorate(view: View) -> View:
+        @csrf_exempt
+        @wraps(view)
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            try:
+                if request.method != method:
+                    raise ApiError(f"method {request.method} is not allowed here; use {method}",
+                                   status=405, code="method_not_allowed")
+                return await view(request, *args, **kwargs)
+            except ApiError as exc:
+                return exc.response()
+
+        return wrapper
+
+    return decorate
+
+
+def _json_body(request: HttpRequest) -> Any:
+    length = int(request.headers.get("Content-Length") or 0)
+    if length > settings.ATRIUM_MAX_BODY_BYTES:
+        raise BodyTooLarge(f"the request body is larger than {settings.ATRIUM_MAX_BODY_BYTES} "
+                           "bytes")
+    try:
+        raw = request.body
+    except Exception as exc:  # RequestDataTooBig and friends
+        raise BodyTooLarge("the request body is too large") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: "[[[[…"
+        raise InvalidRequest("We could not parse the JSON body of your request. The API "
+                             "expects a JSON payload.", code="invalid_json") from exc
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    except ApiError as exc:
+        # Headers are gone; OpenAI clients raise on a data line carrying "error".
+        yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+        return
+    yield b"data: [DONE]\n\n"
+
+
+class EventStream(StreamingHttpResponse):
+    """An SSE response that cleans up after a stream nobody ever read.
+
+    A stream's own generators free its engine work, quota and log entry when they end,
+    but a client that hangs up after the view returned and before the server began
+    sending makes Django close the response with its generators never started, so their
+    cleanup would never run. `close()` then schedules `on_unsent` on the view's loop.
+    """
+
+    _unsent_cleanups: set[asyncio.Future] = set()
+
+    def __init__(self, events: AsyncIterator[bytes], *,
+                 on_unsent: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        self._started = False
+        self._on_unsent = on_unsent
+        self._loop = asyncio.get_running_loop()
+        super().__init__(self._marked(events), content_type="text/event-stream", **kwargs)
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"
+
+    async def _marked(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        self._started = True
+        async for event in events:
+            yield event
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if not self._started:
+                self._started = True
+                self._loop.call_soon_threadsafe(self._clean_up)
+
+    def _clean_up(self) -> None:
+        cleanup = asyncio.ensure_future(self._on_unsent())
+        self._unsent_cleanups.add(cleanup)
+        cleanup.add_done_callback(self._unsent_cleanups.discard)
+
+
+async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
+    principal = await authenticate(request.headers.get("Authorization"))
+    # Every authenticated request is logged when it ends (requestlog.py), however it ends.
+    trace = requestlog.Trace(principal, kind, transport="http")
+    try:
+        return await _serve(request, kind, trace)
+    except asyncio.CancelledError:
+        trace.cancel()
+        raise
+    except BaseException as exc:
+        trace.fail(exc)
+        raise
+    finally:
+        trace.close()
+
+
+async def _serve(request: HttpRequest, kind: service.Kind,
+                 trace: requestlog.Trace) -> HttpResponse:
+    trace.body = _json_body(request)
+    started = await pipeline.start(trace)
+    prepared, dispatch, admission = started.prepared, started.dispatch, started.admission
+    try:
+        if prepared.params.stream:
+            # The stream's own cleanup settles the admission when it ends, however it ends;
+            # a stream never started is cleaned up when Django closes the response.
+            async def unsent() -> None:
+                trace.cancel()
+                try:
+                    await service.abandon(prepared, dispatch, admission)
+                finally:
+                    trace.submit()
+
+            return EventStream(
+                _sse(trace.observe(service.stream_chunks(prepared, dispatch, admission))),
+                on_unsent=unsent, headers=started.headers)
+        result = await service.collect(prepared, dispatch, admission)
+        trace.completed(result)
+        return JsonResponse(result, headers=started.headers)
+    except ApiError as exc:
+        exc.headers = {**started.headers, **exc.headers}
+        raise
+
+
+@api_view("POST")
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _run(request, "completion")
+
+
+@api_view("POST")
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _run(request, "chat")
+
+
+@api_view("GET")
+async def models(request: HttpRequest) -> HttpResponse:
+    principal = await authenticate(request.headers.get("Authorization"))
+    data = await sync_to_async(service.model_objects, thread_sensitive=False)(principal)
+    return JsonResponse({"object": "list", "data": data})
+
+
+@api_view("GET")
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    principal = await authenticate(request.headers.get("Authorization"))
+    data = await sync_to_async(service.model_object, thread_sensitive=False)(model, principal)
+    return JsonResponse(data)

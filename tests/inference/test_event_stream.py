@@ -1,0 +1,61 @@
+"""A stream Django closes before sending a byte still frees what it holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asgiref.sync import sync_to_async
+
+from inference.views import EventStream
+
+
+async def _events():
+    yield b"data: 1\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _run(scenario):
+    return asyncio.run(scenario())
+
+
+def test_a_stream_closed_unread_runs_its_cleanup_once():
+    cleaned = []
+
+    async def scenario():
+        async def unsent():
+            cleaned.append("freed")
+
+        response = EventStream(_events(), on_unsent=unsent, headers={"x-request-id": "r"})
+        # As Django's ASGI handler does after a client hung up before the first byte.
+        await sync_to_async(response.close)()
+        await sync_to_async(response.close)()  # closing twice changes nothing
+        # The cleanup is scheduled onto this loop from close()'s thread: let it run (a
+        # bounded wait, not a timing assertion), then give a second run a chance to show.
+        for _ in range(200):
+            if cleaned:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return response
+
+    response = _run(scenario)
+    assert cleaned == ["freed"]
+    assert response["Content-Type"] == "text/event-stream"
+    assert response["Cache-Control"] == "no-cache" and response["x-request-id"] == "r"
+
+
+def test_a_stream_that_was_sent_leaves_cleanup_to_its_own_generators():
+    cleaned = []
+
+    async def scenario():
+        async def unsent():
+            cleaned.append("freed")
+
+        response = EventStream(_events(), on_unsent=unsent)
+        sent = [part async for part in response]
+        await sync_to_async(response.close)()
+        await asyncio.sleep(0)
+        return sent
+
+    assert _run(scenario) == [b"data: 1\n\n", b"data: [DONE]\n\n"]
+    assert cleaned == []
