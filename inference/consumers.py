@@ -28,14 +28,13 @@ from typing import Any
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from core.websockets import origin_allowed, scope_headers
-from inference import pipeline, requestlog, service
+from inference import params, pipeline, requestlog, service
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 16
-MAX_CLIENT_ID = 128
 ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion"}
 CLOSE_UNAUTHORIZED = 4401
 
@@ -67,39 +66,38 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             message = json.loads(text_data) if text_data is not None else None
         except (ValueError, RecursionError):
             message = None
-        if not isinstance(message, dict):
-            return await self._error(None, InvalidRequest("messages must be JSON objects",
-                                                          code="invalid_json"))
-        client_id = message.get("id")
-        if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID:
-            return await self._error(None, InvalidRequest(
-                f"'id' must be a string of 1 to {MAX_CLIENT_ID} characters", param="id",
-                code="invalid_value"))
-        if message.get("type") == "cancel":
+        try:
+            await self._receive(message)
+        except ApiError as refused:
+            await self._error(params.socket_message_id(message), refused)
+        except Exception:
+            # NOTE: one message must never cost the socket: its other streams go on.
+            log.exception("websocket message failed")
+            await self._error(params.socket_message_id(message), ApiError(
+                "internal error", status=500, type="server_error", code="internal_error"))
+
+    async def _receive(self, message: Any) -> None:
+        """Starts or cancels a request; raises ApiError for a message it refuses."""
+        parsed = params.parse_socket_message(message)
+        client_id = parsed.id
+        if isinstance(parsed, params.SocketCancel):
             task = self.tasks.get(client_id)
             if task is not None:
                 task.cancel()
             return
-        if message.get("type") != "request":
-            return await self._error(client_id, InvalidRequest(
-                "'type' must be 'request' or 'cancel'", param="type", code="invalid_value"))
-        endpoint = message.get("endpoint")
-        kind = ENDPOINTS.get(endpoint) if isinstance(endpoint, str) else None
-        if kind is None:
-            return await self._error(client_id, InvalidRequest(
-                f"'endpoint' must be one of {sorted(ENDPOINTS)}", param="endpoint",
-                code="invalid_value"))
-        if client_id in self.tasks:
-            return await self._error(client_id, InvalidRequest(
-                "a request with this id is already running on this socket", param="id",
-                code="duplicate_id"))
-        if len(self.tasks) >= MAX_IN_FLIGHT:
-            return await self._error(client_id, ApiError(
-                f"at most {MAX_IN_FLIGHT} requests may run at once on one socket",
-                status=429, code="too_many_requests"))
-        body = message.get("body")
+        kind = ENDPOINTS[parsed.endpoint]
+        body = parsed.body
         if isinstance(body, dict):
             body = {**body, "stream": True}  # a socket always streams
+        # NOTE: checked before it takes one of the socket's slots (pipeline.start checks it
+        # again): a malformed request must not push a good one out.
+        params.parse(kind, body)
+        if client_id in self.tasks:
+            raise InvalidRequest("a request with this id is already running on this socket",
+                                 param="id", code="duplicate_id")
+        if len(self.tasks) >= MAX_IN_FLIGHT:
+            raise ApiError(f"at most {MAX_IN_FLIGHT} requests may run at once on one socket",
+                           status=429, code="too_many_requests")
         task = asyncio.create_task(self._run(client_id, kind, body))
         self.tasks[client_id] = task
         task.add_done_callback(lambda _t, cid=client_id: self.tasks.pop(cid, None))

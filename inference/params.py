@@ -1,29 +1,240 @@
-"""Parse and validate OpenAI request bodies into plain dataclasses.
+"""The one validation layer for inference request bodies, HTTP and websocket alike.
 
-Strict like OpenAI: unknown fields, wrong types and unsupported values are a
-400 that names the parameter, before anything is queued.
+Pydantic models, strict like OpenAI: unknown fields, wrong types and values out of range
+are a 400 naming the parameter (``messages[0].role``), before anything is tokenized or
+queued. Text that reaches the tokenizer or the database holds no NUL and no lone UTF-16
+surrogate; bodies nest at most ``MAX_NESTING`` levels. The result is plain dataclasses.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from inference.errors import InvalidRequest
 
-_COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream",
-    "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-    "logprobs", "metadata", "store",
-}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {
-    "messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
-    "response_format", "tools", "tool_choice",
-}
 MAX_STOP_SEQUENCES = 4
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_CLIENT_ID = 128  # a websocket request's own id
+MAX_NESTING = 32  # JSON arrays/objects inside one another; a JSON schema needs a few levels
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _plain_text(value: str) -> str:
+    if "\x00" in value:
+        raise PydanticCustomError("invalid_value", "must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError(
+            "invalid_value", "must be valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_plain_text)]
+_ABSENT = object()
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _only(allowed: tuple[Any, ...], message: str) -> AfterValidator:
+    """A field OpenAI defines that Atrium does not implement: only its no-op values pass."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in allowed:
+            raise PydanticCustomError("unsupported_parameter", message)
+        return value
+
+    return AfterValidator(check)
+
+
+def _empty(message: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if value:
+            raise PydanticCustomError("unsupported_parameter", message)
+        return value
+
+    return AfterValidator(check)
+
+
+class _Strict(BaseModel):
+    # NOTE: strict: "10" is no integer and 1.0 no int; an int is still a valid float.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Message(_Strict):
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: Any = Field(_ABSENT, validate_default=True)
+    # Accepted and ignored: what clients send back from an earlier answer.
+    name: Text | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: Text | None = None
+    function_call: Any = None
+    refusal: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any, info: ValidationInfo) -> str | None:
+        if value is _ABSENT:
+            if info.data.get("role") == "assistant":
+                return None
+            raise PydanticCustomError("missing_required_parameter",
+                                      "is required (only an assistant may leave it out)")
+        if value is None or isinstance(value, str):
+            return value if value is None else _plain_text(value)
+        if not isinstance(value, list):
+            raise PydanticCustomError(
+                "invalid_type", "must be a string, a list of text parts, or null")
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in value):
+            raise PydanticCustomError("unsupported_parameter",
+                                      "only text content parts are supported")
+        if not all(set(part) == {"type", "text"} and isinstance(part["text"], str)
+                   for part in value):
+            raise PydanticCustomError("invalid_value",
+                                      "text parts are {'type': 'text', 'text': <string>}")
+        return "".join(_plain_text(part["text"]) for part in value)
+
+
+def _metadata(value: Any) -> Any:
+    if value is not None and not (
+            isinstance(value, dict) and len(value) <= 16
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                    for k, v in value.items())):
+        raise PydanticCustomError("invalid_value",
+                                  "must be an object of at most 16 string values "
+                                  "(keys up to 64 characters, values up to 512)")
+    for key, text in (value or {}).items():
+        _plain_text(key)
+        _plain_text(text)
+    return value
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise PydanticCustomError("invalid_type", "must be a string or a list of strings")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise PydanticCustomError("invalid_value", "takes at most {most} sequences",
+                                  {"most": MAX_STOP_SEQUENCES})
+    if any(s == "" for s in value):
+        raise PydanticCustomError("invalid_value", "sequences must not be empty")
+    return [_plain_text(s) for s in value]
+
+
+class _Common(_Strict):
+    model: NonEmptyText
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stop: Annotated[list[str], BeforeValidator(_stop)] = []
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    user: Text | None = None
+    store: bool | None = None
+    metadata: Annotated[Any, AfterValidator(_metadata)] = None
+    n: Annotated[int, _only((1,), "only n=1 is supported")] | None = None
+    logprobs: Annotated[bool | int, _only((False, 0), "logprobs are not supported")] | None \
+        = None
+    presence_penalty: Annotated[float, _only((0,), "presence_penalty is not supported")] \
+        | None = None
+    frequency_penalty: Annotated[float, _only((0,), "frequency_penalty is not supported")] \
+        | None = None
+    logit_bias: Annotated[dict[str, Any], _empty("logit_bias is not supported")] | None = None
+
+    @field_validator("stream_options", mode="after")
+    @classmethod
+    def _options_need_stream(cls, value: Any, info: Any) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("invalid_value", "is only allowed when 'stream' is true")
+        return value
+
+
+class _CompletionBody(_Common):
+    prompt: Any
+    echo: Annotated[bool, _only((False,), "echo is not supported")] | None = None
+    best_of: Annotated[int, _only((1,), "only best_of=1 is supported")] | None = None
+    suffix: Annotated[Any, _only((), "suffix is not supported")] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int]:
+        # OpenAI takes a string, token ids, or a list of those; Atrium serves one prompt.
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]
+        if isinstance(value, str):
+            return _plain_text(value)
+        if isinstance(value, list) and value and all(_is_int(t) for t in value):
+            if any(t < 0 for t in value):
+                raise PydanticCustomError("invalid_value",
+                                          "token ids must be non-negative integers")
+            return value
+        if isinstance(value, list) and len(value) > 1 and all(
+                isinstance(v, (str, list)) for v in value):
+            raise PydanticCustomError("unsupported_parameter",
+                                      "only one prompt per request is supported")
+        raise PydanticCustomError("invalid_type", "must be a string or a list of token ids")
+
+
+class _ChatBody(_Common):
+    messages: Annotated[list[_Message], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    top_logprobs: Annotated[Any, _only((), "top_logprobs are not supported")] = None
+    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[Any], _empty("tools are not supported")] | None = None
+    tool_choice: Annotated[Any, _only(("none",), "tool_choice is not supported")] = None
+    response_format: Annotated[Any, _only(({"type": "text"},), "only response_format "
+                                          "{'type': 'text'} is supported")] = None
+
+
+ClientId = Annotated[Text, Field(min_length=1, max_length=MAX_CLIENT_ID)]
+_CLIENT_ID = TypeAdapter(ClientId, config=ConfigDict(strict=True))
+
+
+class SocketRequest(_Strict):
+    """A websocket's request message; ``body`` is the HTTP body, checked like one."""
+
+    type: Literal["request"]
+    id: ClientId
+    endpoint: Literal["chat.completions", "completions"]
+    body: Any = None
+
+
+class SocketCancel(_Strict):
+    type: Literal["cancel"]
+    id: ClientId
+
+
+_SOCKET_MESSAGE = TypeAdapter(Annotated[SocketRequest | SocketCancel,
+                                        Field(discriminator="type")])
+
+
+def _fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields)
+
+
+COMPLETION_FIELDS = _fields(_CompletionBody)
+CHAT_FIELDS = _fields(_ChatBody)
 
 
 @dataclass(slots=True)
@@ -56,228 +267,130 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def _too_deep(body: Any) -> bool:
+    """Iterative, so a hostile body cannot exhaust the stack before it is refused."""
+    pending = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_NESTING:
+            return True
+        pending.extend((child, depth + 1) for child in children)
+    return False
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise InvalidRequest(f"'{name}' must be a number", param=name, code="invalid_type")
-    if value > hi or value < lo or (lo_open and value == lo):
-        bound = f"greater than {lo}" if lo_open else f"at least {lo}"
-        raise InvalidRequest(f"'{name}' must be {bound} and at most {hi}, got {value}",
-                             param=name, code="invalid_value")
-    return float(value)
+def _param(loc: tuple[Any, ...]) -> str | None:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not name:
+            name = str(part)
+        else:
+            name += f".{part}"
+    return name or None
 
 
-def _optional_int(body: dict, name: str, lo: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise InvalidRequest(f"'{name}' must be an integer", param=name, code="invalid_type")
-    if lo is not None and value < lo:
-        raise InvalidRequest(f"'{name}' must be at least {lo}, got {value}", param=name,
-                             code="invalid_value")
-    return value
+def _invalid(error: ValidationError) -> InvalidRequest:
+    """The first problem, in OpenAI's words and codes."""
+    first = error.errors(include_url=False)[0]
+    # NOTE: a union's branches (str | list | None) add their tags to loc; keep real names.
+    *path, last = first["loc"] or (None,)
+    kind = first["type"]
+    loc = [p for p in path if isinstance(p, int) or p in _ALL_FIELDS]
+    if kind == "extra_forbidden" or isinstance(last, int) or last in _ALL_FIELDS:
+        loc.append(last)  # the unknown key itself is no field
+    param = _param(tuple(loc))
+    if kind == "extra_forbidden":
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param,
+                              code="unknown_parameter")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        return InvalidRequest("'type' must be 'request' or 'cancel'", param="type",
+                              code="invalid_value")
+    if kind == "missing":
+        return InvalidRequest(f"'{param}' is required", param=param,
+                              code="missing_required_parameter")
+    if kind in ("invalid_value", "invalid_type", "unsupported_parameter",
+                "missing_required_parameter"):
+        return InvalidRequest(f"'{param}' {first['msg']}", param=param, code=kind)
+    if kind in _TYPE_NAMES:
+        return InvalidRequest(f"'{param}' must be {_TYPE_NAMES[kind]}", param=param,
+                              code="invalid_type")
+    return InvalidRequest(f"'{param}': {first['msg']}", param=param, code="invalid_value")
 
 
-def _reject_unsupported(body: dict) -> None:
-    """Fields OpenAI accepts that Atrium cannot honour yet: refuse them rather than ignore."""
-    checks = [
-        ("n", lambda v: v in (None, 1), "only n=1 is supported"),
-        ("best_of", lambda v: v in (None, 1), "only best_of=1 is supported"),
-        ("echo", lambda v: v in (None, False), "echo is not supported"),
-        ("suffix", lambda v: v is None, "suffix is not supported"),
-        ("logprobs", lambda v: v in (None, False), "logprobs are not supported"),
-        ("top_logprobs", lambda v: v is None, "top_logprobs are not supported"),
-        ("presence_penalty", lambda v: v in (None, 0, 0.0), "presence_penalty is not supported"),
-        ("frequency_penalty", lambda v: v in (None, 0, 0.0),
-         "frequency_penalty is not supported"),
-        ("logit_bias", lambda v: not v, "logit_bias is not supported"),
-        ("tools", lambda v: not v, "tools are not supported"),
-        ("tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported"),
-        ("response_format", lambda v: v in (None, {"type": "text"}),
-         "only response_format {'type': 'text'} is supported"),
-    ]
-    for name, ok, message in checks:
-        if name in body and not ok(body[name]):
-            raise InvalidRequest(message, param=name, code="unsupported_parameter")
+_TYPE_NAMES = {"model_type": "an object", "dict_type": "an object", "list_type": "a list",
+               "string_type": "a string", "int_type": "an integer", "float_type": "a number",
+               "bool_type": "a boolean"}
 
 
-def _check_ignored(body: dict) -> None:
-    """Fields OpenAI's clients send that change nothing here, accepted when well-formed:
-    ``store`` and ``metadata`` (Atrium keeps no stored completions; the request log is its
-    record) and ``parallel_tool_calls`` (no tools are served)."""
-    for name in ("store", "parallel_tool_calls"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise InvalidRequest(f"'{name}' must be a boolean", param=name, code="invalid_type")
-    metadata = body.get("metadata")
-    if metadata is not None and not (
-            isinstance(metadata, dict) and len(metadata) <= 16
-            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                    for k, v in metadata.items())):
-        raise InvalidRequest("'metadata' must be an object of at most 16 string values "
-                             "(keys up to 64 characters, values up to 512)", param="metadata",
-                             code="invalid_value")
+_ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(_Message) | _fields(_StreamOptions)
+               | _fields(SocketRequest))
 
 
-def _stop(body: dict) -> list[str]:
-    value = body.get("stop")
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise InvalidRequest("'stop' must be a string or a list of strings", param="stop",
-                             code="invalid_type")
-    if len(value) > MAX_STOP_SEQUENCES:
-        raise InvalidRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences",
-                             param="stop", code="invalid_value")
-    if any(s == "" for s in value):
-        raise InvalidRequest("'stop' sequences must not be empty", param="stop",
-                             code="invalid_value")
-    return value
-
-
-def _streaming(body: dict) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream", code="invalid_type")
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
-                             param="stream_options", code="invalid_value")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise InvalidRequest("'stream_options' takes only 'include_usage'",
-                             param="stream_options", code="invalid_value")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise InvalidRequest("'stream_options.include_usage' must be a boolean",
-                             param="stream_options", code="invalid_type")
-    return stream, include_usage
-
-
-def _common(body: Any, allowed: set[str], max_tokens_field: str) -> GenerationParams:
+def _validate(model: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}",
-                             param=unknown[0], code="unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        code = "invalid_type" if "model" in body else "missing_required_parameter"
-        raise InvalidRequest("'model' is required and must be a string", param="model",
-                             code=code)
-    _reject_unsupported(body)
-    stream, include_usage = _streaming(body)
-    for name in ("user",):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise InvalidRequest(f"'{name}' must be a string", param=name, code="invalid_type")
-    _check_ignored(body)
-    max_tokens = _optional_int(body, max_tokens_field, lo=1)
-    max_tokens_param = max_tokens_field
-    if max_tokens_field != "max_tokens":
-        # NOTE: checked even when max_completion_tokens wins: a bad value is still an error.
-        legacy = _optional_int(body, "max_tokens", lo=1)
-        if max_tokens is None:
-            max_tokens, max_tokens_param = legacy, "max_tokens"
-    seed = _optional_int(body, "seed")
-    if seed is not None and not -(2**63) <= seed < 2**63:
-        raise InvalidRequest("'seed' must fit in 64 bits", param="seed", code="invalid_value")
-    top_k = _optional_int(body, "top_k", lo=0) or 0
+    if _too_deep(body):
+        raise InvalidRequest(f"the request body nests more than {MAX_NESTING} levels deep",
+                             code="invalid_value")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _params(body: _Common, max_tokens: int | None, max_tokens_param: str) -> GenerationParams:
     return GenerationParams(
-        model=model,
-        max_tokens=max_tokens,
-        max_tokens_param=max_tokens_param,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=top_k,
-        stop=_stop(body),
-        seed=seed,
-        stream=stream,
-        include_usage=include_usage,
-    )
+        model=body.model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=body.top_k or 0, stop=list(body.stop),
+        seed=body.seed, stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    params = _common(body, COMPLETION_FIELDS, "max_tokens")
-    prompt = body.get("prompt")
-    # OpenAI accepts a string, a list of strings, a list of token ids, or a list of those;
-    # Atrium serves one prompt per request.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        pass
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        pass
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        raise InvalidRequest("token ids in 'prompt' must be non-negative integers",
-                             param="prompt", code="invalid_value")
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise InvalidRequest("only one prompt per request is supported", param="prompt",
-                             code="unsupported_parameter")
-    elif prompt is None:
-        raise InvalidRequest("'prompt' is required", param="prompt",
-                             code="missing_required_parameter")
-    else:
-        raise InvalidRequest("'prompt' must be a string or a list of token ids",
-                             param="prompt", code="invalid_type")
-    return CompletionRequest(params=params, prompt=prompt)
-
-
-def _message_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise InvalidRequest("only text content parts are supported",
-                                     param=f"messages[{index}].content",
-                                     code="unsupported_parameter")
-            parts.append(part["text"])
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise InvalidRequest("message content must be a string or a list of text parts",
-                         param=f"messages[{index}].content", code="invalid_type")
+    parsed = _validate(_CompletionBody, body)
+    return CompletionRequest(params=_params(parsed, parsed.max_tokens, "max_tokens"),
+                             prompt=parsed.prompt)
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    params = _common(body, CHAT_FIELDS, "max_completion_tokens")
-    messages = body.get("messages")
-    if messages is None:
-        raise InvalidRequest("'messages' is required", param="messages",
-                             code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list", param="messages",
-                             code="invalid_type")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest("each message must be an object", param=f"messages[{i}]",
-                                 code="invalid_type")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
-                                 param=f"messages[{i}].role", code="invalid_value")
-        if "content" not in message and role != "assistant":
-            raise InvalidRequest(f"messages[{i}].content is required",
-                                 param=f"messages[{i}].content",
-                                 code="missing_required_parameter")
-        # NOTE: the demo chat templates know system/user/assistant; developer reads as system.
-        parsed.append({"role": "system" if role == "developer" else role,
-                       "content": _message_text(message.get("content"), i)})
-    return ChatRequest(params=params, messages=parsed)
+    parsed = _validate(_ChatBody, body)
+    # max_tokens is the older name: read only when max_completion_tokens is absent.
+    if parsed.max_completion_tokens is not None:
+        max_tokens, name = parsed.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, name = parsed.max_tokens, "max_tokens"
+    # NOTE: the demo chat templates know system/user/assistant; developer reads as system.
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.content or ""} for m in parsed.messages]
+    return ChatRequest(params=_params(parsed, max_tokens, name), messages=messages)
+
+
+def parse(kind: str, body: Any) -> ChatRequest | CompletionRequest:
+    """``kind`` is ``"chat"`` or ``"completion"``."""
+    return parse_chat(body) if kind == "chat" else parse_completion(body)
+
+
+def parse_socket_message(message: Any) -> SocketRequest | SocketCancel:
+    if not isinstance(message, dict):
+        raise InvalidRequest("messages must be JSON objects", code="invalid_json")
+    try:
+        return _SOCKET_MESSAGE.validate_python(message)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def socket_message_id(message: Any) -> str | None:
+    """The id of a message, refused or not, when it has a valid one: its error names it."""
+    try:
+        return _CLIENT_ID.validate_python(message.get("id"))
+    except (AttributeError, ValidationError):
+        return None

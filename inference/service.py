@@ -139,7 +139,7 @@ def adapter_object(adapter: ServedAdapter, model_id: str | None = None) -> dict[
 
 
 def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
-    parsed = p.parse_chat(body) if kind == "chat" else p.parse_completion(body)
+    parsed = p.parse(kind, body)
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
     if kind == "chat":

@@ -1,9 +1,11 @@
 """Request validation: every bad field is a 400 naming the parameter."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from inference.errors import InvalidRequest
-from inference.params import parse_chat, parse_completion
+from inference.params import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -126,3 +128,104 @@ def test_a_bad_max_tokens_is_refused_even_beside_max_completion_tokens(bad):
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                     "max_completion_tokens": 5, "max_tokens": bad})
     assert refused.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("message, param, code", [
+    ({"role": ["user"], "content": "x"}, "messages[0].role", "invalid_value"),
+    ({"role": {"a": 1}, "content": "x"}, "messages[0].role", "invalid_value"),
+    ({"role": "user", "content": "\ud800"}, "messages[0].content", "invalid_value"),
+    ({"role": "user", "content": "a\x00b"}, "messages[0].content", "invalid_value"),
+    ({"role": "user", "content": [{"type": "text", "text": "\udfff"}]}, "messages[0].content",
+     "invalid_value"),
+    ({"role": "user", "content": "x", "colour": "red"}, "messages[0].colour",
+     "unknown_parameter"),
+    ({"role": "user"}, "messages[0].content", "missing_required_parameter"),
+    ({"role": "user", "content": "x", "name": 5}, "messages[0].name", "invalid_type"),
+])
+def test_a_malformed_message_is_a_400_naming_the_field_inside_it(message, param, code):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_chat({"model": "m", "messages": [message]})
+    assert (refused.value.param, refused.value.code) == (param, code)
+
+
+def test_the_fields_clients_send_back_inside_messages_are_accepted_and_ignored():
+    replayed = {"role": "assistant", "content": None, "refusal": None, "name": "bot",
+                "tool_calls": [{"id": "c1", "type": "function",
+                                "function": {"name": "f", "arguments": "{}"}}]}
+    req = parse_chat({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, replayed,
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    assert req.messages == [{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": ""},
+                            {"role": "tool", "content": "42"}]
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"model": "m\x00"}, "model"), ({"stop": ["\ud800"]}, "stop"), ({"user": "\x00"}, "user"),
+    ({"metadata": {"k": "\udc00"}}, "metadata"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("inf")}, "top_p"), ({"temperature": True}, "temperature"),
+])
+def test_text_and_numbers_that_would_break_the_tokenizer_or_database_are_refused(patch, param):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_chat({**CHAT, **patch})
+    assert refused.value.param == param
+
+
+def test_a_completion_prompt_with_a_lone_surrogate_or_nul_is_refused():
+    for prompt in ["\ud800", "a\x00", ["\udbff"]]:
+        with pytest.raises(InvalidRequest) as refused:
+            parse_completion({"model": "m", "prompt": prompt})
+        assert (refused.value.param, refused.value.code) == ("prompt", "invalid_value")
+
+
+def test_a_body_nested_deeper_than_the_limit_is_refused_before_validation():
+    from inference.params import MAX_NESTING
+
+    deep: object = "x"
+    for _ in range(MAX_NESTING + 1):
+        deep = [deep]
+    with pytest.raises(InvalidRequest, match="nests more than"):
+        parse_chat({**CHAT, "metadata": {"k": deep}})
+    very_deep: object = []
+    for _ in range(50_000):  # deeper than the interpreter's stack: refused, not a crash
+        very_deep = [very_deep]
+    with pytest.raises(InvalidRequest):
+        parse_chat({**CHAT, "tools": very_deep})
+
+
+@pytest.mark.parametrize("value", [False, 0])
+def test_logprobs_off_is_accepted(value):
+    assert parse_chat({**CHAT, "logprobs": value}).params.model == "m"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+FIELD = st.sampled_from(sorted(CHAT_FIELDS | COMPLETION_FIELDS) + ["role", "content", "x"])
+MESSAGE = st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls", "x"]),
+                          JSON | st.sampled_from(["user", "assistant", "\ud800", "a\x00"]),
+                          max_size=4)
+BODY = st.fixed_dictionaries(
+    {}, optional={"model": st.text(max_size=4) | JSON, "messages": st.lists(MESSAGE | JSON,
+                                                                            max_size=3) | JSON,
+                  "prompt": st.text(max_size=8) | st.lists(st.integers(), max_size=3) | JSON},
+).flatmap(lambda base: st.dictionaries(FIELD, JSON, max_size=4).map(lambda e: {**e, **base}))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=BODY, chat=st.booleans())
+def test_any_json_body_either_parses_or_is_a_400_naming_a_parameter(body, chat):
+    """The property the HTTP and websocket entry points rely on: no other exception."""
+    try:
+        parsed = parse_chat(body) if chat else parse_completion(body)
+    except InvalidRequest as refused:
+        assert refused.status == 400 and refused.code
+        assert refused.param is None or isinstance(refused.param, str)
+        return
+    text = [m["content"] for m in parsed.messages] if chat else [parsed.prompt]
+    for piece in [parsed.params.model, *parsed.params.stop, *text]:
+        if isinstance(piece, str):
+            assert "\x00" not in piece
+            piece.encode("utf-8")
