@@ -56,9 +56,11 @@ def _detect(text: str, lowered: str, det: Detector) -> list[Span]:
         start, end = _group_span(match, det.group)
         if det.widen is not None:
             widened = det.widen(text, start)
-            if widened is None or (spans and widened < spans[-1][1]):
+            if widened is None:
                 continue
-            start = widened
+            # NOTE: widened back into the previous match (two addresses joined by "="):
+            # what lies between them is this one's.
+            start = max(widened, spans[-1][1]) if spans else widened
         if start >= end:
             continue
         if det.split is not None:
@@ -68,23 +70,57 @@ def _detect(text: str, lowered: str, det: Detector) -> list[Span]:
     return spans
 
 
-def _merge(taken: list[Span], new: list[Span]) -> list[Span]:
-    """``taken`` plus the spans of ``new`` that overlap none of it, sorted; one linear pass.
+RESCAN_CONTEXT = 256  # characters before a piece that a detector may need (``api_key=``)
 
-    NOTE: both lists are sorted and disjoint within themselves, so a new span only has
-    to be checked against the first taken span that ends after it starts.
+
+def _rescan(text: str, lowered: str, det: Detector, a: int, b: int) -> list[Span]:
+    """``det``'s spans in ``text[a:b]``, the part of one of its matches that other detectors
+    left: found in the piece alone ("&victim@example.org" right of an api_key is still an
+    address, "@db.internal" right of a password is none) and, for detectors that need what
+    precedes (``api_key=`` before a value), in the piece with its context, if they start in it.
+    """
+    spans = [(a + x, a + y, kind) for x, y, kind in _detect(text[a:b], lowered[a:b], det)]
+    lo = max(0, a - RESCAN_CONTEXT)
+    spans += [(lo + x, min(lo + y, b), kind)
+              for x, y, kind in _detect(text[lo:b], lowered[lo:b], det) if lo + x >= a]
+    spans.sort()
+    merged: list[Span] = []
+    for start, end, kind in spans:
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]), merged[-1][2])
+        else:
+            merged.append((start, end, kind))
+    return merged
+
+
+def _merge(text: str, lowered: str, det: Detector, taken: list[Span],
+           new: list[Span]) -> list[Span]:
+    """``taken`` plus whatever of ``new`` lies outside it, sorted.
+
+    Where a new span overlaps taken ones, its detector is run again on the parts outside
+    them: an e-mail address whose local part reached back over ``api_key=x&`` is still
+    found after the key.
+    NOTE: both lists are sorted and disjoint within themselves, so each new span only has
+    to be checked against the taken spans from the first that ends after it starts.
     """
     out: list[Span] = []
     i = 0
-    for span in new:
-        start, end, _ = span
+    for start, end, kind in new:
         while i < len(taken) and taken[i][1] <= start:
             out.append(taken[i])
             i += 1
-        if i < len(taken) and taken[i][0] < end:
+        if i == len(taken) or taken[i][0] >= end:
+            out.append((start, end, kind))
             continue
-        out.append(span)
+        pieces, j = [], i
+        while j < len(taken) and taken[j][0] < end:
+            pieces.append((start, taken[j][0]))
+            start = max(start, taken[j][1])
+            j += 1
+        pieces.append((start, end))
+        out.extend(span for a, b in pieces if a < b for span in _rescan(text, lowered, det, a, b))
     out.extend(taken[i:])
+    out.sort()
     return out
 
 
@@ -98,7 +134,7 @@ def find(text: str, extra: Iterable[Detector] = ()) -> list[Span]:
     for det in (*DETECTORS, *extra):
         found = _detect(text, lowered, det)
         if found:
-            taken = _merge(taken, found) if taken else found
+            taken = _merge(text, lowered, det, taken, found) if taken else found
     return taken
 
 

@@ -148,11 +148,15 @@ _NOT_BEFORE_IPV6 = frozenset(string.ascii_letters + string.digits + "_:")
 
 
 def _email_start(text: str, at: int) -> int | None:
-    """The start of the local part before the "@" at ``at``: 1 to 64 characters."""
+    """The start of the local part before the "@" at ``at``: 1 to 64 characters.
+
+    NOTE: a longer run (a URL's path and query before ``victim@example.org``) is cut to its
+    last 64 characters rather than skipped: the address in it is still one.
+    """
     start = at
-    while start > 0 and text[start - 1] in _LOCAL and at - start <= 64:
+    while start > 0 and text[start - 1] in _LOCAL and at - start < 64:
         start -= 1
-    return start if 0 < at - start <= 64 else None
+    return start if start < at else None
 
 
 def _ipv6_start(text: str, colon: int) -> int | None:
@@ -257,8 +261,10 @@ DETECTORS: tuple[Detector, ...] = (
     # Found from the first "-": three digits behind it, not inside a longer token.
     Detector("SSN", re.compile(rf"-(?<=(?<![{_W}])\d{{3}}-)\d{{2}}-\d{{4}}{_E}"), _ssn,
              widen=lambda text, start: start - 3),
-    # Found from the "@", then widened over the local part (1 to 64 characters).
-    Detector("EMAIL", re.compile(r"@[A-Za-z0-9-]{1,63}+(?:\.[A-Za-z0-9-]{1,63}+){1,8}+"),
+    # Found from the "@" (or "%40", "%2540": URL-encoded once or twice, as in a query
+    # string), then widened over the local part (1 to 64 characters).
+    Detector("EMAIL", re.compile(r"(?:@|%(?:25)?+40)[A-Za-z0-9-]{1,63}+"
+                                 r"(?:\.[A-Za-z0-9-]{1,63}+){1,32}+"),
              widen=_email_start),
     Detector("IP", re.compile(r"\d(?<![\d.vV]\d)\d{0,2}\.\d{1,3}\.\d{1,3}\.\d{1,3}(?![\d.])"),
              _ipv4, triggers=(".",)),

@@ -64,6 +64,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "core.middleware.ApiResponses",  # JSON and x-request-id on every API answer
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -281,7 +282,7 @@ if PRODUCTION:
     # except for the health check and the engines' internal fetches.
     SECURE_HSTS_SECONDS = int(os.environ.get("ATRIUM_HSTS_SECONDS", str(365 * 24 * 3600)))
     SECURE_SSL_REDIRECT = os.environ.get("ATRIUM_SSL_REDIRECT", "0") == "1"
-    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^internal/"]
+    SECURE_REDIRECT_EXEMPT = [r"^livez$", r"^readyz$", r"^internal/"]
 
 LOGGING = {
     "version": 1,
@@ -291,4 +292,11 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": os.environ.get("ATRIUM_LOG_LEVEL", "INFO")},
     # NOTE: django.request logs request paths only; bodies and headers never reach it.
+    # Django's own loggers would keep its plain-text console handler (DEBUG): route them to
+    # the root's JSON one. No handler anywhere writes a line that did not pass redaction.
+    "loggers": {name: {"handlers": [], "propagate": True}
+                for name in ("django", "django.server", "django.request", "py.warnings")},
 }
+# DEBUG's error page shows the request and the frames' locals: redacted like the logs.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "core.debug.RedactingReporterFilter"
+DEFAULT_EXCEPTION_REPORTER = "core.debug.RedactingReporter"

@@ -344,3 +344,41 @@ def test_hostile_inputs_finish_quickly(expression):
 @pytest.mark.parametrize("ip", ["127.0.0.1", "127.8.9.10", "0.0.0.0", "::1", "::"])
 def test_loopback_and_any_addresses_name_no_one_and_stay(ip):
     assert redact(f"listening on {ip} port 8000") == f"listening on {ip} port 8000"
+
+
+# --- secrets side by side, in query strings, headers and encodings --------------------------
+
+PERSONAL = {"EMAIL": st.emails(), "SSN": st.just("123-45-6789"),
+            "CARD": st.just("4111 1111 1111 1111"), **SECRET_STRATEGIES}
+# What joins two values in a URL, a header, a form or a log line; a few are themselves
+# characters an e-mail address's local part may hold.
+JOINERS = st.text(alphabet="&=?;:,|/\\\"' \t#+%!", min_size=1, max_size=4)
+SECRET_NAMES = st.sampled_from(["api_key", "token", "password", "secret", "authorization"])
+
+
+@given(SECRET_NAMES, st.sampled_from(sorted(PERSONAL)).flatmap(
+    lambda kind: st.tuples(st.just(kind), PERSONAL[kind])), JOINERS, JOINERS)
+def test_a_datum_right_after_an_assignment_is_caught_whatever_joins_them(
+        name, kind_and_value, joiner, tail):
+    """The finding of issue 16: an address straight after ``api_key=x&`` went through."""
+    kind, value = kind_and_value
+    text = f"GET /v1/x?{name}=hunter2-abc{joiner}{value}{tail}end"
+    redacted = redact(text)
+    assert "hunter2-abc" not in redacted, redacted
+    assert value not in redacted, redacted
+
+
+@given(st.sampled_from(sorted(PERSONAL)).flatmap(
+    lambda kind: st.tuples(PERSONAL[kind], PERSONAL[kind])), JOINERS)
+def test_two_data_side_by_side_are_both_caught(pair, joiner):
+    first, second = pair
+    redacted = redact(f"x {first}{joiner}{second} y")
+    assert first not in redacted and second not in redacted, redacted
+
+
+@given(st.emails(), st.sampled_from(["%40", "%2540"]), st.sampled_from(["?email=", " ", "&to="]))
+def test_a_url_encoded_address_is_still_an_address(email, at, before):
+    local, domain = email.rsplit("@", 1)
+    redacted = redact(f"GET /x{before}{local}{at}{domain} now")
+    # NOTE: "/", "?" and "=" may be part of a local part: the span may take them too.
+    assert redacted.startswith("GET ") and redacted.endswith("[EMAIL] now"), redacted
