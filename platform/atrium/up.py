@@ -21,30 +21,16 @@ DEMO_KEY_SCOPES = ("inference", "adapters", "usage", "billing")
 
 
 def _wait_http(url: str, timeout: float) -> bool:
+    """Until ``url`` answers 200 (``/livez``: the web process; ``/readyz``: everything)."""
     import urllib.request
 
     end = time.time() + timeout
     while time.time() < end:
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with urllib.request.urlopen(url, timeout=2):
                 return True
-        except OSError:
+        except OSError:  # refused, or an HTTPError: 503 until ready
             time.sleep(0.3)
-    return False
-
-
-def _wait_engine(model: str, timeout: float) -> bool:
-    from core.redis import sync_client
-    from engine import protocol
-
-    client, end = sync_client(), time.time() + timeout
-    while time.time() < end:
-        since = time.time() - protocol.HEARTBEAT_TTL_S
-        for engine_id in client.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf"):
-            raw = client.get(protocol.engine_key(engine_id.decode()))
-            if raw and protocol.EngineHeartbeat.decode(raw).model == model:
-                return True
-        time.sleep(0.3)
     return False
 
 
@@ -117,10 +103,11 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     ]
     base = f"http://{args.host}:{args.port}"
     try:
-        if not _wait_http(f"{base}/healthz", 60):
+        if not _wait_http(f"{base}/livez", 60):
             raise SystemExit("atrium: the web server did not start; see the log above")
-        if not _wait_engine(model_name, 300):
-            raise SystemExit("atrium: the engine did not start; see the log above")
+        if not _wait_http(f"{base}/readyz", 300):
+            raise SystemExit(f"atrium: not ready ({base}/readyz says what is missing: the "
+                             "engine, the database or Redis); see the log above")
         print(_banner(base, model_name, api_key, demo_model=demo_model), flush=True)
         while all(c.poll() is None for c in children):
             time.sleep(0.5)

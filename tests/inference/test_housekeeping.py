@@ -13,13 +13,30 @@ def test_engines_prune_drops_only_long_dead_engines(redis_client):
     assert redis_client.zrange(protocol.ENGINES_ZSET, 0, -1) == [b"alive"]
 
 
-def test_health_reports_live_engines(api_server, engine_worker):
-    body = httpx.get(f"{api_server}/healthz").json()
-    assert body == {"status": "ok", "redis": True, "engines": 1}
+def test_readyz_reports_live_engines_per_served_model(api_server, engine_worker, served_model):
+    answer = httpx.get(f"{api_server}/readyz")
+    assert answer.status_code == 200
+    assert answer.json() == {"status": "ready", "database": True, "redis": True,
+                             "engines": {served_model: 1}}
 
 
-def test_index_page_names_the_model_but_not_the_engines_to_strangers(api_server, engine_worker,
-                                                                     served_model):
-    page = httpx.get(f"{api_server}/").text
-    assert served_model in page and "1 engine serving" in page
-    assert engine_worker.engine_id not in page  # ids and queues are for operators
+def test_readyz_is_503_without_an_engine_and_livez_still_200(api_server, served_model):
+    answer = httpx.get(f"{api_server}/readyz")
+    assert answer.status_code == 503
+    assert answer.json()["engines"] == {served_model: 0}
+    assert httpx.get(f"{api_server}/livez").json() == {"status": "ok"}
+
+
+def test_readyz_is_503_when_redis_is_unreachable(api_server, served_model, settings):
+    from core import redis as core_redis
+
+    real = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+    core_redis.sync_client.cache_clear()
+    try:
+        answer = httpx.get(f"{api_server}/readyz", timeout=30)
+    finally:
+        settings.REDIS_URL = real
+        core_redis.sync_client.cache_clear()
+    assert answer.status_code == 503
+    assert (answer.json()["redis"], answer.json()["database"]) == (False, True)

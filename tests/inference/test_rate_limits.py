@@ -400,6 +400,6 @@ def test_web_processes_share_one_set_of_limits(transactional_db, served_model, t
 
 def _up(port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code in (200, 503)
+        return httpx.get(f"http://127.0.0.1:{port}/livez", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False

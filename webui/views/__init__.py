@@ -5,6 +5,6 @@
 signed in, which tenant they act in, and what they may do there.
 """
 
-from webui.views.public import healthz, index
+from webui.views.public import index, livez, readyz
 
-__all__ = ["healthz", "index"]
+__all__ = ["index", "livez", "readyz"]

@@ -1,4 +1,4 @@
-"""The public landing page and the health check."""
+"""The public landing page and the health probes."""
 
 from __future__ import annotations
 
@@ -18,9 +18,32 @@ def index(request: HttpRequest) -> HttpResponse:
         "models": list(served_models())})
 
 
-def healthz(request: HttpRequest) -> HttpResponse:
+def livez(request: HttpRequest) -> HttpResponse:
+    """The process is up and answering: nothing else is checked (a liveness probe)."""
+    return JsonResponse({"status": "ok"})
+
+
+def readyz(request: HttpRequest) -> HttpResponse:
+    """Ready to serve: the database and Redis answer, and each served model has an engine
+    alive (a readiness probe; `atrium up` waits on it). 503, saying what is missing, if not."""
+    from django.db import connection
+
+    from core.served_models import served_models
+
+    checks: dict[str, object] = {}
     try:
-        engines = len(engine_heartbeats())
-    except Exception:  # noqa: BLE001 - health reports, never raises
-        return JsonResponse({"status": "degraded", "redis": False}, status=503)
-    return JsonResponse({"status": "ok", "redis": True, "engines": engines})
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        checks["database"] = True
+    except Exception:  # noqa: BLE001 - a probe reports, never raises
+        checks["database"] = False
+    try:
+        beats = engine_heartbeats()
+        checks["redis"] = True
+    except Exception:  # noqa: BLE001
+        beats, checks["redis"] = [], False
+    engines = {name: sum(b.model == name for b in beats) for name in served_models()}
+    checks["engines"] = engines
+    ready = checks["database"] and checks["redis"] and all(engines.values())
+    return JsonResponse({"status": "ready" if ready else "unavailable", **checks},
+                        status=200 if ready else 503)
