@@ -175,3 +175,46 @@ def test_secrets_and_personal_data_beside_a_loopback_address_are_redacted():
 def test_a_password_in_a_loopback_url_is_redacted():
     line = _format("broker %s", "redis://:hunter22@127.0.0.1:6379/0")
     assert line["msg"] == "broker redis://:[SECRET]@127.0.0.1:6379/0"
+
+
+# --- every handler of every logger, in development and in production ----------------------
+
+_EVERY_HANDLER = """
+import json, logging, django
+django.setup()
+from django.conf import settings
+from django.test import RequestFactory
+from django.utils.log import log_response
+from django.http import HttpResponseBadRequest
+seen = {}
+for name in ["", *logging.Logger.manager.loggerDict]:
+    logger = logging.getLogger(name)
+    for handler in getattr(logger, "handlers", []):
+        if isinstance(handler, logging.NullHandler):
+            continue  # writes nothing
+        seen[f"{name or 'root'}:{type(handler).__name__}"] = type(handler.formatter).__name__
+# Django's 4xx line, as its handler writes it for a client's bad request.
+request = RequestFactory().get("/v1/x?api_key=sk-Zq8xW2vL9mN4bR7tY1uK3pA6&to=victim@example.org")
+log_response("Bad Request: %s", request.get_full_path(), response=HttpResponseBadRequest(),
+             request=request)
+logging.getLogger("django.server").warning('"GET /?password=hunter22 HTTP/1.1" 400')
+print(json.dumps({"debug": settings.DEBUG, "handlers": seen}))
+"""
+
+
+@pytest.mark.parametrize("env", [{"ATRIUM_DEBUG": "1"},
+                                 {"ATRIUM_ENV": "production", "ATRIUM_SECRET_KEY": "x" * 50,
+                                  "ATRIUM_ALLOWED_HOSTS": "testserver"}],
+                         ids=["development", "production"])
+def test_every_handler_in_every_mode_writes_redacted_json(env):
+    import os
+
+    out = subprocess.run([sys.executable, "-c", _EVERY_HANDLER], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True, env={**os.environ, **env})
+    report = json.loads(out.stdout)
+    assert report["debug"] is (env.get("ATRIUM_DEBUG") == "1")
+    assert report["handlers"] and set(report["handlers"].values()) == {"JsonFormatter"}, report
+    lines = _json_lines(out.stderr)
+    assert {line["logger"] for line in lines} >= {"django.request", "django.server"}
+    for secret in ("sk-Zq8xW2vL9mN4bR7tY1uK3pA6", "victim@example.org", "hunter22"):
+        assert secret not in out.stderr, out.stderr
