@@ -18,24 +18,40 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from adapters.services import events_channel
 from core.errors import ApiError, AuthenticationFailed
 from core.redis import async_client
-from core.websockets import origin_allowed, scope_headers
+from core.websockets import (
+    CLOSE_FORBIDDEN,
+    origin_allowed,
+    scope_headers,
+    stop_watching,
+    watch_access,
+)
 from tenants import access, facade
 from tenants.access import Actor
 from tenants.selectors import tenant_access_get
 
-CLOSE_FORBIDDEN = 4403
 
-
-async def _actor(authorization: str | None, user) -> Actor | None:
-    """Who connects: the key (through the one authenticator), else the session's person."""
+async def _actor(authorization: str | None, user, *, fresh: bool = False) -> Actor | None:
+    """Who connects: the key (through the one authenticator), else the session's person
+    (``fresh``: as the database has them now, for the recheck of an open socket)."""
     if facade.is_bearer(authorization):
         try:
             return Actor(principal=await facade.aauthenticate(authorization))
         except AuthenticationFailed:
             return None  # a 503 (the key cache out of reach) is no refusal: it raises
     if user is not None and getattr(user, "is_authenticated", False):
+        if fresh:
+            user = await _user_now(user.pk)
+            if user is None:
+                return None
         return Actor(user_id=user.pk, user_email=user.email, is_staff=user.is_staff)
     return None
+
+
+@database_sync_to_async
+def _user_now(user_id: int):
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.filter(pk=user_id, is_active=True).first()
 
 
 @database_sync_to_async
@@ -66,6 +82,16 @@ class AdapterEventsConsumer(AsyncWebsocketConsumer):
         await self.pubsub.subscribe(events_channel(tenant_id))
         await self.accept()
         self.relay = asyncio.create_task(self._relay())
+        authorization, user = headers.get("authorization"), self.scope.get("user")
+
+        async def access_lost() -> int | None:
+            # A revoked key or a removed role or membership ends the socket (4403 either
+            # way, as at connect: the tenant's existence is not confirmed).
+            now = await _actor(authorization, user, fresh=True)
+            still = now is not None and await _readable_tenant_id(now, slug) == tenant_id
+            return None if still else CLOSE_FORBIDDEN
+
+        self.watch = watch_access(self, access_lost)
 
     async def _relay(self) -> None:
         async for message in self.pubsub.listen():
@@ -74,6 +100,7 @@ class AdapterEventsConsumer(AsyncWebsocketConsumer):
                 await self.send(text_data=data.decode() if isinstance(data, bytes) else data)
 
     async def disconnect(self, code: int) -> None:
+        await stop_watching(getattr(self, "watch", None))
         relay = getattr(self, "relay", None)
         if relay is not None:
             relay.cancel()

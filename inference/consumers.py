@@ -27,7 +27,15 @@ from typing import Any
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from core.websockets import origin_allowed, scope_headers
+from core.errors import ServiceUnavailable
+from core.websockets import (
+    CLOSE_FORBIDDEN,
+    CLOSE_UNAUTHORIZED,
+    origin_allowed,
+    scope_headers,
+    stop_watching,
+    watch_access,
+)
 from inference import params, pipeline, requestlog, service
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
@@ -36,7 +44,6 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 16
 ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion"}
-CLOSE_UNAUTHORIZED = 4401
 
 
 class InferenceConsumer(AsyncWebsocketConsumer):
@@ -56,8 +63,29 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
         await self.accept()
+        self.watch = watch_access(self, self._access_lost, self._end_all)
+
+    async def _access_lost(self) -> int | None:
+        """A close code once the key is revoked, expired or loses its scope."""
+        try:
+            await authenticate(self.authorization)
+        except ServiceUnavailable:
+            raise
+        except ApiError as exc:
+            self.lost = exc
+            return CLOSE_FORBIDDEN if exc.status == 403 else CLOSE_UNAUTHORIZED
+        return None
+
+    async def _end_all(self, code: int) -> None:
+        """Before the socket closes on a lost key: say why, stop every running request."""
+        await self._error(None, self.lost)
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def disconnect(self, code: int) -> None:
+        await stop_watching(getattr(self, "watch", None))
         for task in list(getattr(self, "tasks", {}).values()):
             task.cancel()
 

@@ -14,16 +14,30 @@ import json
 import logging
 import time
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from core.redis import async_client
-from core.websockets import origin_allowed, scope_headers
+from core.websockets import (
+    CLOSE_FORBIDDEN,
+    origin_allowed,
+    scope_headers,
+    stop_watching,
+    watch_access,
+)
 from engine import protocol
 from webui.selectors import fleet_get_async
 
 log = logging.getLogger(__name__)
 
-CLOSE_FORBIDDEN = 4403
+
+@database_sync_to_async
+def _staff_lost(user_id: int) -> int | None:
+    """4403 once the operator is no longer active staff."""
+    from django.contrib.auth import get_user_model
+
+    still = get_user_model().objects.filter(pk=user_id, is_active=True, is_staff=True).exists()
+    return None if still else CLOSE_FORBIDDEN
 
 
 class FleetConsumer(AsyncWebsocketConsumer):
@@ -41,6 +55,7 @@ class FleetConsumer(AsyncWebsocketConsumer):
             return
         await self.accept()
         self.pusher = asyncio.create_task(self._push())
+        self.watch = watch_access(self, lambda: _staff_lost(user.pk))
 
     async def _push(self) -> None:
         client = async_client()
@@ -63,6 +78,7 @@ class FleetConsumer(AsyncWebsocketConsumer):
         return  # nothing to say to the server
 
     async def disconnect(self, code: int) -> None:
+        await stop_watching(getattr(self, "watch", None))
         pusher = getattr(self, "pusher", None)
         if pusher is not None:
             pusher.cancel()
