@@ -328,3 +328,19 @@ def plan_spend_caps() -> dict[int, Decimal | None]:
     """Each plan's default monthly spend cap, by plan id (plans without one are absent)."""
     return dict(SpendCap.objects.filter(plan__isnull=False)
                 .values_list("plan_id", "monthly_limit"))
+
+
+def tokens_used_between(*, start: date, end: date) -> tuple[dict[int, int], dict[int, int]]:
+    """Prompt + completion tokens in the ledger's daily rollups for days in [start, end),
+    by tenant and by API key (what admission's monthly token counters count)."""
+    rows = (UsageRollup.objects.filter(day__gte=start, day__lt=end)
+            .values("tenant_id", "api_key_id")
+            .annotate(tokens=Sum("prompt_tokens") + Sum("completion_tokens")))
+    by_tenant: dict[int, int] = {}
+    by_key: dict[int, int] = {}
+    for row in rows:
+        tokens = int(row["tokens"] or 0)
+        by_tenant[row["tenant_id"]] = by_tenant.get(row["tenant_id"], 0) + tokens
+        if row["api_key_id"]:
+            by_key[row["api_key_id"]] = by_key.get(row["api_key_id"], 0) + tokens
+    return by_tenant, by_key

@@ -17,6 +17,7 @@ class ApiError(Exception):
     status = 400
     type = "invalid_request_error"
     code: str | None = None
+    default_headers: dict[str, str] = {}  # noqa: RUF012 - read only, per class
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  status: int | None = None, type: str | None = None,
@@ -30,7 +31,7 @@ class ApiError(Exception):
             self.status = status
         if type is not None:
             self.type = type
-        self.headers = dict(headers or {})
+        self.headers = {**self.default_headers, **(headers or {})}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type,
@@ -83,6 +84,9 @@ class QuotaExceeded(ApiError):
 
 
 class ServiceUnavailable(ApiError):
+    """Redis (or what the platform keeps there) is out of reach: fails closed, retry soon."""
+
     status = 503
     type = "server_error"
     code = "service_unavailable"
+    default_headers = {"retry-after": "1"}  # noqa: RUF012

@@ -42,6 +42,10 @@ REASON_CONCURRENCY, REASON_RPM, REASON_TPM, REASON_MONTH, REASON_TOO_LARGE = 1, 
 _LEVELS = {1: "tenant", 2: "key"}
 
 
+# How long a month's token counter is kept after the month ends (admit.lua sets the same).
+MONTH_COUNTER_GRACE_MS = 7 * 86_400_000
+
+
 def quota_key(level: str, ident: int | str, name: str) -> str:
     return f"atrium:quota:{level}:{ident}:{name}"
 
@@ -260,11 +264,14 @@ async def settle(client: aioredis.Redis, admission: Admission, *, used_tokens: i
     """Frees the slot and gives back reserved-but-unused tokens; True if this call did it."""
     if admission.settled:
         return False
-    admission.settled = True
     principal = admission.principal
     tenant_keys, key_keys = _level_keys(principal, admission.month)
     keys = [*tenant_keys[1:], *key_keys[1:]]
     refund = max(0, admission.reserved_tokens - max(0, used_tokens))
     args = [admission.request_id, refund, principal.tenant_limits.tokens_per_minute or 0,
             principal.key_limits.tokens_per_minute or 0]
-    return bool(await _run(client, _SETTLE_SHA, SETTLE_LUA, keys, args))
+    # NOTE: marked settled only once the script ran: a call that failed (Redis away) can
+    # be made again, and the script refunds once however often it runs.
+    done = bool(await _run(client, _SETTLE_SHA, SETTLE_LUA, keys, args))
+    admission.settled = True
+    return done

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
+import redis
 import redis.asyncio as aioredis
 
 from engine import protocol
-from inference.errors import DeadlineExceeded, EngineFailed, NoEngineAvailable
+from inference.errors import (
+    DeadlineExceeded,
+    EngineFailed,
+    NoEngineAvailable,
+    ServiceUnavailable,
+)
 
 # How long the relay waits on the events stream before it checks that the
 # engine (or, while queued, any engine) is still alive.
@@ -20,6 +27,17 @@ POLL_S = 1.0
 # How long a request's cleanup waits, after cancelling it, for the engine's final event
 # and its usage (an engine checks for cancels before every step).
 FINAL_WAIT_S = 2.0
+
+
+@contextmanager
+def _redis_lost() -> Iterator[None]:
+    """Redis out of reach mid-request: the client's 503 (an SSE error event, a websocket
+    error), never a cut connection. The engine stops what it cannot publish by itself."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise ServiceUnavailable("the connection to the engines was lost (Redis is "
+                                 "unreachable); retry shortly") from exc
 
 
 async def alive_engines(redis: aioredis.Redis, model: str) -> list[protocol.EngineHeartbeat]:
@@ -77,12 +95,13 @@ class Dispatch:
                 "cached_tokens": 0, "completion_tokens": made}
 
     async def submit(self) -> None:
-        if not await alive_engines(self.redis, self.request.model):
-            raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
-                                    "right now; retry shortly")
-        self.entry_id = await self.redis.xadd(
-            protocol.request_stream(self.request.model), self.request.encode(),
-            maxlen=protocol.REQUEST_STREAM_MAXLEN, approximate=True)
+        with _redis_lost():
+            if not await alive_engines(self.redis, self.request.model):
+                raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
+                                        "right now; retry shortly")
+            self.entry_id = await self.redis.xadd(
+                protocol.request_stream(self.request.model), self.request.encode(),
+                maxlen=protocol.REQUEST_STREAM_MAXLEN, approximate=True)
 
     async def cancel(self) -> None:
         """Stop the request wherever it is; safe to call more than once."""
@@ -141,18 +160,21 @@ class Dispatch:
             if remaining <= 0:
                 await self.cancel()
                 raise DeadlineExceeded("the request did not finish before its deadline")
-            reply = await self.redis.xread({stream: self._last_id}, count=256,
-                                           block=max(1, int(min(remaining, POLL_S) * 1000)))
-            if not reply:
-                await self._check_liveness()
-                continue
+            with _redis_lost():
+                reply = await self.redis.xread(
+                    {stream: self._last_id}, count=256,
+                    block=max(1, int(min(remaining, POLL_S) * 1000)))
+                if not reply:
+                    await self._check_liveness()
+                    continue
             for entry_id, fields in reply[0][1]:
                 event = protocol.Event.decode(fields)
                 if event.seq != self._expected_seq:
                     await self.cancel()
                     raise EngineFailed(f"lost events from the engine (expected "
                                        f"{self._expected_seq}, got {event.seq})")
-                await self._take(entry_id, event)
+                with _redis_lost():
+                    await self._take(entry_id, event)
                 yield event
                 if event.is_final:
                     return

