@@ -74,13 +74,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class _StreamOptions(_Strict):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Message(_Strict):
+class ChatMessage(_Strict):
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: Any = Field(_ABSENT, validate_default=True)
+    # NOTE: a factory, so the schema shows no default; the validator tells absent from null.
+    content: Any = Field(default_factory=lambda: _ABSENT, validate_default=True)
     # Accepted and ignored: what clients send back from an earlier answer.
     name: Text | None = None
     tool_calls: list[Any] | None = None
@@ -140,7 +141,7 @@ def _stop(value: Any) -> list[str]:
     return [_plain_text(s) for s in value]
 
 
-class _Common(_Strict):
+class CommonBody(_Strict):
     model: NonEmptyText
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
@@ -149,7 +150,7 @@ class _Common(_Strict):
     stop: Annotated[list[str], BeforeValidator(_stop)] = []
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     stream: bool | None = None
-    stream_options: _StreamOptions | None = None
+    stream_options: StreamOptions | None = None
     user: Text | None = None
     store: bool | None = None
     metadata: Annotated[Any, AfterValidator(_metadata)] = None
@@ -170,7 +171,7 @@ class _Common(_Strict):
         return value
 
 
-class _CompletionBody(_Common):
+class CompletionBody(CommonBody):
     prompt: Any
     echo: Annotated[bool, _only((False,), "echo is not supported")] | None = None
     best_of: Annotated[int, _only((1,), "only best_of=1 is supported")] | None = None
@@ -196,8 +197,8 @@ class _CompletionBody(_Common):
         raise PydanticCustomError("invalid_type", "must be a string or a list of token ids")
 
 
-class _ChatBody(_Common):
-    messages: Annotated[list[_Message], Field(min_length=1)]
+class ChatCompletionBody(CommonBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     top_logprobs: Annotated[Any, _only((), "top_logprobs are not supported")] = None
     parallel_tool_calls: bool | None = None
@@ -233,8 +234,8 @@ def _fields(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(model.model_fields)
 
 
-COMPLETION_FIELDS = _fields(_CompletionBody)
-CHAT_FIELDS = _fields(_ChatBody)
+COMPLETION_FIELDS = _fields(CompletionBody)
+CHAT_FIELDS = _fields(ChatCompletionBody)
 
 
 @dataclass(slots=True)
@@ -329,11 +330,11 @@ _TYPE_NAMES = {"model_type": "an object", "dict_type": "an object", "list_type":
                "bool_type": "a boolean"}
 
 
-_ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(_Message) | _fields(_StreamOptions)
+_ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(ChatMessage) | _fields(StreamOptions)
                | _fields(SocketRequest))
 
 
-def _validate(model: type[_Common], body: Any) -> _Common:
+def _validate(model: type[CommonBody], body: Any) -> CommonBody:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
     if _too_deep(body):
@@ -345,7 +346,7 @@ def _validate(model: type[_Common], body: Any) -> _Common:
         raise _invalid(exc) from None
 
 
-def _params(body: _Common, max_tokens: int | None, max_tokens_param: str) -> GenerationParams:
+def _params(body: CommonBody, max_tokens: int | None, max_tokens_param: str) -> GenerationParams:
     return GenerationParams(
         model=body.model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
         temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -356,13 +357,13 @@ def _params(body: _Common, max_tokens: int | None, max_tokens_param: str) -> Gen
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    parsed = _validate(_CompletionBody, body)
+    parsed = _validate(CompletionBody, body)
     return CompletionRequest(params=_params(parsed, parsed.max_tokens, "max_tokens"),
                              prompt=parsed.prompt)
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    parsed = _validate(_ChatBody, body)
+    parsed = _validate(ChatCompletionBody, body)
     # max_tokens is the older name: read only when max_completion_tokens is absent.
     if parsed.max_completion_tokens is not None:
         max_tokens, name = parsed.max_completion_tokens, "max_completion_tokens"

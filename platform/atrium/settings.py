@@ -233,11 +233,15 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Atrium management API",
-    "DESCRIPTION": "Tenants, members, API keys, quotas and the audit log. The inference "
-                   "API (/v1/) is OpenAI-compatible and documented in docs/api.md.",
+    "DESCRIPTION": "Tenants, members, API keys, quotas and the audit log, and the "
+                   "OpenAI-compatible inference API (/v1/; docs/api.md).",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SCHEMA_PATH_PREFIX": "/api/v1",
+    # 3.1: JSON Schema 2020-12, what the inference API's pydantic models produce.
+    "OAS_VERSION": "3.1.0",
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "inference.openapi.add_inference_paths"],
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {
         "ApiKeyStatusEnum": ["active", "rotating", "expired", "revoked"],

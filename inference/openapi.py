@@ -1,0 +1,84 @@
+"""The inference API in the OpenAPI document (/api/schema/), beside the management API.
+
+A drf-spectacular postprocessing hook: the request bodies' schemas come from the pydantic
+models that validate them (inference/params.py), so the document cannot drift from what
+the server accepts; the probes are listed too. Fuzzers (tests/inference/test_fuzz.py) run
+over this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inference.params import ChatCompletionBody, CompletionBody
+
+_REF = "#/components/schemas/{model}"
+_ERROR = {"$ref": "#/components/schemas/OpenAIError"}
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"],
+                             "properties": {"message": {"type": "string"},
+                                            "type": {"type": "string"},
+                                            "param": {"type": ["string", "null"]},
+                                            "code": {"type": ["string", "null"]}}}}}
+_ERRORS = {str(status): {"description": why, "content": {"application/json": {"schema": _ERROR}}}
+           for status, why in [(400, "a bad request body"), (401, "no key, or a bad one"),
+                               (403, "a key without the inference scope"),
+                               (404, "an unknown model"), (409, "an adapter not ready"),
+                               (413, "a body too large"), (429, "a rate limit or quota"),
+                               (503, "no engine, or Redis out of reach")]}
+_ANY_OBJECT = {"type": "object", "additionalProperties": True}
+
+
+def _json(schema: dict[str, Any], description: str = "") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _create(operation_id: str, summary: str, body: str) -> dict[str, Any]:
+    return {"post": {
+        "operationId": operation_id, "summary": summary, "tags": ["inference"],
+        "security": [{"apiKey": []}],
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(model=body)}}}},
+        "responses": {"200": {"description": "the completion; with stream: true, "
+                                             "Server-Sent Events (docs/api.md)",
+                              "content": {"application/json": {"schema": _ANY_OBJECT},
+                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                      **_ERRORS}}}
+
+
+def _get(operation_id: str, summary: str, *, key: bool = True,
+         parameters: list | None = None) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "operationId": operation_id, "summary": summary,
+        "tags": ["inference"] if key else ["health"],
+        "responses": {"200": _json(_ANY_OBJECT), **(_ERRORS if key else {
+            "503": _json(_ANY_OBJECT, "not ready; the body says what is missing")})}}
+    if key:
+        operation["security"] = [{"apiKey": []}]
+    if parameters:
+        operation["parameters"] = parameters
+    return {"get": operation}
+
+
+def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
+                        public: bool) -> dict[str, Any]:
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    for model in (ChatCompletionBody, CompletionBody):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    schemas["OpenAIError"] = _ERROR_SCHEMA
+    result["paths"].update({
+        "/v1/chat/completions": _create("chat_completion_create", "Create a chat completion",
+                                        "ChatCompletionBody"),
+        "/v1/completions": _create("completion_create", "Create a completion",
+                                   "CompletionBody"),
+        "/v1/models": _get("model_list", "The models and adapters the key may call"),
+        "/v1/models/{model}": _get("model_get", "One model or adapter", parameters=[
+            {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+        "/livez": _get("livez", "The web process answers", key=False),
+        "/readyz": _get("readyz", "Database, Redis and an engine per served model answer",
+                        key=False),
+    })
+    return result
