@@ -215,10 +215,11 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
                    limit=failed_limit, cost=cost, state=state)
 
 
-async def precheck(client: aioredis.Redis, *, principal: Principal) -> None:
+async def precheck(client: aioredis.Redis, *, principal: Principal) -> RateLimitState:
     """Refuses (429) at once a caller that no request could pass now (at its requests per
     minute, concurrency, monthly tokens or spend cap), before its prompt is tokenized:
-    a refused tenant cannot make the web tier parse megabytes. Takes nothing."""
+    a refused tenant cannot make the web tier parse megabytes. Takes nothing; returns the
+    caller's rate-limit state, for the headers of an answer refused before admission."""
     await spend_cap_check(client, principal)
     month, month_reset_ms = month_window()
     tenant_keys, key_keys = _level_keys(principal, month)
@@ -227,10 +228,11 @@ async def precheck(client: aioredis.Redis, *, principal: Principal) -> None:
     args = ["", 1, 0, month_reset_ms, *_limit_args(principal), 1]
     reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
     (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply
+    state = RateLimitState(rl, rr, rreset, tl, tr, treset)
     if not ok:
         raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
-                       limit=failed_limit, cost=1,
-                       state=RateLimitState(rl, rr, rreset, tl, tr, treset))
+                       limit=failed_limit, cost=1, state=state)
+    return state
 
 
 def _refusal(principal: Principal, *, reason: int, level: str, retry_ms: int, limit: int,

@@ -93,7 +93,13 @@ if failed then
 end
 
 if tonumber(ARGV[13]) == 1 then
-  return {1, 0, 0, 0, 0, -1, -1, 0, -1, -1, 0}
+  -- A probe takes nothing: it reports where the caller stands now.
+  for _, lv in ipairs(levels) do
+    if lv.rpm > 0 then report(req, lv.rpm, standing(lv.rpm, lv.rpm_tat)) end
+    if lv.tpm > 0 then report(tok, lv.tpm, standing(lv.tpm, lv.tpm_tat)) end
+  end
+  return {1, 0, 0, 0, 0, req.limit, req.remaining, math.ceil(req.reset),
+          tok.limit, tok.remaining, math.ceil(tok.reset)}
 end
 
 -- Second pass: take the request, the tokens, the slot and the month's share at every level.

@@ -36,10 +36,15 @@ class Started:
 
 async def start(trace: Trace) -> Started:
     """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace."""
-    await service.precheck(trace.principal)  # a refused caller costs no tokenizing
-    # Tokenizing a long prompt is CPU work: keep it off the event loop.
-    prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
-        principal=trace.principal, kind=trace.kind, body=trace.body)
+    limits = await service.precheck(trace.principal)  # a refused caller costs no tokenizing
+    try:
+        # Tokenizing a long prompt is CPU work: keep it off the event loop.
+        prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
+            principal=trace.principal, kind=trace.kind, body=trace.body)
+    except ApiError as exc:
+        # The key is known: its refusal says where it stands, as every answer to it does.
+        exc.headers = {**limits.headers(), **exc.headers}
+        raise
     trace.prepared = prepared
     admission = await service.admit(prepared)
     try:

@@ -211,9 +211,10 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
                     engine_request=engine_request, principal=principal)
 
 
-async def precheck(principal: Principal) -> None:
-    """429 now for a caller at a limit no request could pass, before any parsing."""
-    await quota.precheck(async_client(), principal=principal)
+async def precheck(principal: Principal) -> quota.RateLimitState:
+    """429 now for a caller at a limit no request could pass, before any parsing; else the
+    caller's rate-limit state."""
+    return await quota.precheck(async_client(), principal=principal)
 
 
 async def admit(prepared: Prepared) -> quota.Admission:

@@ -104,6 +104,22 @@ def test_every_inference_response_carries_rate_limit_headers(api_server, served_
     assert list(streamed.parse())
 
 
+@pytest.mark.parametrize("body, status", [
+    ({"messages": [{"role": ["user"], "content": "x"}]}, 400),
+    ({"model": "no-such-model"}, 404),
+    ({"max_tokens": 10**9}, 400),
+])
+def test_a_refusal_after_authentication_carries_the_keys_rate_limits_and_an_id(
+        api_server, served_model, body, status):
+    caller = make_caller(requests_per_minute=100, tokens_per_minute=50_000)
+    answer = post(api_server, caller, {**chat(served_model), **body})
+    assert answer.status_code == status, answer.text
+    assert answer.headers["x-request-id"]
+    for name in RATE_HEADERS:
+        assert answer.headers[name], name
+    assert answer.headers["x-ratelimit-limit-requests"] == "100"
+
+
 def test_over_the_request_limit_is_429_with_retry_after_in_openais_shape(
         api_server, served_model, redis_client):
     caller = make_caller(requests_per_minute=2)
