@@ -56,7 +56,7 @@ class _ThreadedServer(uvicorn.Server):
 def api_server(transactional_db, served_model: str, redis_client) -> Iterator[str]:
     """The real ASGI app under uvicorn on a free port; yields its base URL."""
     from atrium.asgi import application
-    from atrium.cli import server_options
+    from atrium.server import server_options
     from core import redis as core_redis
 
     port = _free_port()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -42,8 +43,9 @@ class BodyLimit:
         self.app = app
         self.default_limit = limit
 
-    async def limit_for(self, scope) -> tuple[int, str]:
-        """The byte limit of this request, and what to say when it is exceeded."""
+    async def limit_for(self, scope) -> tuple[int, float, str]:
+        """The byte limit of this request, the seconds its body may take to arrive, and what
+        to say when the size is exceeded."""
         path = scope.get("path", "")
         for pattern, limit in ((self.UPLOAD, settings.ATRIUM_ADAPTER_MAX_UPLOAD_BYTES
                                 + (1 << 20)),  # + multipart framing
@@ -52,41 +54,57 @@ class BodyLimit:
             if match is None:
                 continue
             if await _known_uploader(scope, match["slug"]):
-                return limit, ""
-            return self.default_limit, (" (larger adapter uploads need an API key of the "
-                                        "tenant with the adapters scope, or a console session)")
-        return self.default_limit, ""
+                return limit, settings.ATRIUM_UPLOAD_TIMEOUT_S, ""
+            return self.default_limit, settings.ATRIUM_BODY_TIMEOUT_S, (
+                " (larger adapter uploads need an API key of the tenant with the adapters "
+                "scope, or a console session)")
+        return self.default_limit, settings.ATRIUM_BODY_TIMEOUT_S, ""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit, hint = await self.limit_for(scope)
+        limit, seconds, hint = await self.limit_for(scope)
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await self._refuse(send, limit, hint)
-        seen = 0
+                return await self._refuse(send, 413, "request_too_large",
+                                          f"the request body is larger than {limit} "
+                                          f"bytes{hint}")
+        seen, body_done = 0, False
+        deadline = asyncio.get_running_loop().time() + seconds
 
         async def limited_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:
+                return await receive()  # after the body: only a disconnect comes
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.001))
+            except TimeoutError:
+                raise _TooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise _TooLarge
+                body_done = not message.get("more_body", False)
             return message
 
         try:
             return await self.app(scope, limited_receive, send)
         except _TooLarge:
-            return await self._refuse(send, limit, hint)
+            return await self._refuse(send, 413, "request_too_large",
+                                      f"the request body is larger than {limit} bytes{hint}")
+        except _TooSlow:
+            return await self._refuse(send, 408, "request_timeout",
+                                      f"the request body did not arrive within {seconds:g} s")
 
-    async def _refuse(self, send, limit: int, hint: str = "") -> None:
-        body = json.dumps({"error": {
-            "message": f"the request body is larger than {limit} bytes{hint}",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large"}})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body.encode()})
+    async def _refuse(self, send, status: int, code: str, message: str) -> None:
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                     "param": None, "code": code}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def _known_uploader(scope, slug: str) -> bool:
@@ -117,6 +135,10 @@ def _signed_in(session_key: str) -> bool:
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _TooSlow(Exception):
     pass
 
 

@@ -143,18 +143,11 @@ def cmd_web(args: argparse.Namespace) -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
     refuse_busy_port(args.host, args.port, hint="atrium web --port {port}")
+    from atrium.server import server_options
+
     uvicorn.run("atrium.asgi:application", host=args.host, port=args.port,
                 log_level="info", log_config=None,  # Django's LOGGING: JSON, redacted
                 **server_options())
-
-
-def server_options() -> dict:
-    """How uvicorn serves Atrium (the tests' server uses the same)."""
-    from django.conf import settings
-
-    # A websocket message is held to the same limit as an HTTP body.
-    return {"lifespan": "off", "ws": "websockets-sansio",
-            "ws_max_size": settings.ATRIUM_MAX_BODY_BYTES}
 
 
 def _model() -> tuple[Path, str]:

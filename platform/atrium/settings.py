@@ -130,6 +130,14 @@ ATRIUM_MAX_OUTPUT_TOKENS = int(os.environ.get("ATRIUM_MAX_OUTPUT_TOKENS", "4096"
 # Upper bound on a request body, in bytes.
 ATRIUM_MAX_BODY_BYTES = int(os.environ.get("ATRIUM_MAX_BODY_BYTES", str(4 * 1024 * 1024)))
 DATA_UPLOAD_MAX_MEMORY_SIZE = ATRIUM_MAX_BODY_BYTES
+# Slow clients, before anyone is authenticated (atrium/server.py, asgi.BodyLimit): request
+# headers must arrive within this many seconds of the connection opening (or of the
+# previous response), a body within its own limit; at most so many connections may be
+# waiting for their headers at once.
+ATRIUM_HEADER_TIMEOUT_S = float(os.environ.get("ATRIUM_HEADER_TIMEOUT_S", "10"))
+ATRIUM_BODY_TIMEOUT_S = float(os.environ.get("ATRIUM_BODY_TIMEOUT_S", "30"))
+ATRIUM_UPLOAD_TIMEOUT_S = float(os.environ.get("ATRIUM_UPLOAD_TIMEOUT_S", "600"))
+ATRIUM_MAX_PENDING_CONNECTIONS = int(os.environ.get("ATRIUM_MAX_PENDING_CONNECTIONS", "512"))
 # Seconds a request may take end to end before it is stopped with 504.
 ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
 

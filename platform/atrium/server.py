@@ -1,0 +1,79 @@
+"""How uvicorn serves Atrium: its HTTP protocol with the slow-client limits uvicorn lacks.
+
+uvicorn times out idle keep-alive connections but not a client that opens a connection and
+sends its request headers byte by byte (or never): each such connection would be held
+forever, before anyone is authenticated. Here a connection must complete its request
+headers within ATRIUM_HEADER_TIMEOUT_S of opening (and of its previous response), and at
+most ATRIUM_MAX_PENDING_CONNECTIONS connections may be waiting for their headers at once;
+past that, a new connection is closed at once. The body's own deadline is the ASGI
+wrapper's (asgi.BodyLimit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+from django.conf import settings
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+
+class GuardedH11Protocol(H11Protocol):
+    awaiting_headers: ClassVar[set[GuardedH11Protocol]] = set()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.awaiting_headers) >= settings.ATRIUM_MAX_PENDING_CONNECTIONS:
+            log.warning("too many connections waiting for their headers; closing a new one")
+            transport.close()
+            return
+        self._await_headers()
+
+    def _await_headers(self) -> None:
+        self.awaiting_headers.add(self)
+        self._stop_timer()
+        self._header_timer = self.loop.call_later(settings.ATRIUM_HEADER_TIMEOUT_S,
+                                                  self._headers_too_slow)
+
+    def _stop_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_done(self) -> None:
+        self._stop_timer()
+        self.awaiting_headers.discard(self)
+
+    def _headers_too_slow(self) -> None:
+        self.awaiting_headers.discard(self)
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        scope = getattr(self, "scope", None)
+        super().handle_events()
+        if getattr(self, "scope", None) is not scope:  # a request's headers are complete
+            self._headers_done()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_headers()  # the next request on this connection: the same limit
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_done()
+        super().connection_lost(exc)
+
+
+def server_options() -> dict:
+    """uvicorn's options for Atrium (`atrium web` and the tests' server use the same)."""
+    # A websocket message is held to the same limit as an HTTP body.
+    return {"lifespan": "off", "ws": "websockets-sansio", "http": GuardedH11Protocol,
+            "ws_max_size": settings.ATRIUM_MAX_BODY_BYTES}
