@@ -7,18 +7,35 @@ XACK and XDEL of the request's entry.
 
 NOTE: that atomicity is what recovery relies on: a request whose entry is still
 pending has no final event, so a dead engine's request is never finished twice.
+
+Every write is one batch (one MULTI/EXEC), queued in ``backlog`` before it is
+sent and taken off only once Redis answered it. While Redis is unreachable the
+batches wait there, in order, and ``flush`` sends them first when it answers
+again; numbers, the open set and usage are settled when a batch is made, so the
+backlog never leaves a gap. Each batch also sets this writer's marker key to the
+batch's number, in the same transaction: after an EXEC whose reply was lost,
+one GET tells which held batches Redis already has, so none is written twice.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from engine import protocol
 from engine.outputs import RequestOutput, Usage
+
+log = logging.getLogger(__name__)
+
+# Redis did not answer: the batch is held and sent again (after the marker check).
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+_MARKER_TTL_S = 24 * 3600  # longer than any outage a held batch could outlive
 
 
 @dataclass(slots=True)
@@ -28,19 +45,37 @@ class _Open:
     next_seq: int = 0
 
 
+@dataclass(slots=True)
+class _Batch:
+    """One MULTI/EXEC of writes, held until Redis has taken it."""
+
+    number: int
+    commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    reported: list[str] = field(default_factory=list)  # requests whose usage report it holds
+    made_at: float = field(default_factory=time.monotonic)
+
+    def add(self, command: str, *args: Any, **kwargs: Any) -> None:
+        self.commands.append((command, args, kwargs))
+
+
 class EventWriter:
-    def __init__(self, client: redis.Redis, stream: str) -> None:
+    def __init__(self, client: redis.Redis, stream: str, *, engine_id: str) -> None:
         self.client = client
         self.stream = stream
         self.open: dict[str, _Open] = {}  # accepted, not yet finished
         self.tokens_written = 0
         self.finished = 0
+        self.backlog: deque[_Batch] = deque()  # made, not yet taken by Redis; oldest first
+        self.marker_key = protocol.engine_writes_key(engine_id)
+        self._epoch = secrets.token_hex(8)  # this writer's batches, not an earlier process's
+        self._made = 0
+        self._unsure = False  # an EXEC failed without a reply: it may have been applied
 
     def accept(self, entry_id: bytes, request: protocol.EngineRequest, engine_id: str) -> None:
         self.open[request.request_id] = _Open(entry_id, request)
-        with self.client.pipeline(transaction=False) as pipe:
-            self._append(pipe, request.request_id, protocol.EV_ACCEPTED, {"engine_id": engine_id})
-            pipe.execute()
+        batch = self._batch()
+        self._append(batch, request.request_id, protocol.EV_ACCEPTED, {"engine_id": engine_id})
+        self._send(batch)
 
     def publish(self, outputs: list[RequestOutput],
                 error_code: str = protocol.ERROR_ENGINE) -> None:
@@ -48,15 +83,15 @@ class EventWriter:
         outputs = [out for out in outputs if out.request_id in self.open]
         if not outputs:
             return
-        with self.client.pipeline(transaction=True) as pipe:
-            for out in outputs:
-                self.tokens_written += len(out.token_ids)
-                if out.text_delta or out.token_ids:
-                    self._append(pipe, out.request_id, protocol.EV_DELTA,
-                                 {"text": out.text_delta, "token_ids": out.token_ids})
-                if out.finished:
-                    self._append_final(pipe, out, error_code)
-            pipe.execute()
+        batch = self._batch()
+        for out in outputs:
+            self.tokens_written += len(out.token_ids)
+            if out.text_delta or out.token_ids:
+                self._append(batch, out.request_id, protocol.EV_DELTA,
+                             {"text": out.text_delta, "token_ids": out.token_ids})
+            if out.finished:
+                self._append_final(batch, out, error_code)
+        self._send(batch)
 
     def finish_unstarted(self, entry_id: bytes, request_id: str, event_type: str,
                          data: dict[str, Any]) -> None:
@@ -68,32 +103,82 @@ class EventWriter:
                     request: protocol.EngineRequest | None = None) -> None:
         """``request`` given: it had been accepted, so its usage is reported for billing."""
         events = protocol.events_stream(request_id)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(events, event.encode())
-            pipe.expire(events, protocol.EVENTS_TTL_S)
-            if request is not None:
-                self._report_usage(pipe, request, event)
-            self._settle(pipe, entry_id)
-            pipe.execute()
+        batch = self._batch()
+        batch.add("xadd", events, event.encode())
+        batch.add("expire", events, protocol.EVENTS_TTL_S)
+        if request is not None:
+            self._report_usage(batch, request, event)
+        self._settle(batch, entry_id)
         self.finished += 1
+        self._send(batch)
 
     def drop(self, entry_id: bytes) -> None:
         """Takes an entry off the stream and out of the pending list, writing nothing."""
-        with self.client.pipeline(transaction=True) as pipe:
-            self._settle(pipe, entry_id)
-            pipe.execute()
+        batch = self._batch()
+        self._settle(batch, entry_id)
+        self._send(batch)
 
-    def _append(self, pipe: Any, request_id: str, event_type: str,
+    def held_since(self) -> float | None:
+        """When (monotonic) the oldest batch Redis has not taken was made; None if none."""
+        return self.backlog[0].made_at if self.backlog else None
+
+    def flush(self) -> None:
+        """Writes the held batches, oldest first.
+
+        Raises ``redis.ConnectionError`` or ``redis.TimeoutError`` while Redis does not
+        answer; the batches not written stay held, in order.
+        """
+        if self._unsure:
+            self._forget_applied()
+        while self.backlog:
+            self._execute(self.backlog[0])
+            self.backlog.popleft()
+
+    def _batch(self) -> _Batch:
+        self._made += 1
+        return _Batch(self._made)
+
+    def _send(self, batch: _Batch) -> None:
+        self.backlog.append(batch)
+        self.flush()
+
+    def _execute(self, batch: _Batch) -> None:
+        with self.client.pipeline(transaction=True) as pipe:
+            for command, args, kwargs in batch.commands:
+                getattr(pipe, command)(*args, **kwargs)
+            pipe.set(self.marker_key, f"{self._epoch}:{batch.number}", ex=_MARKER_TTL_S)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except UNREACHABLE:
+                self._unsure = True
+                raise
+        # The transaction ran: a command that failed in it (an XACK on a consumer group a
+        # restarted Redis no longer has) changes nothing a retry could mend.
+        for (command, _args, _kwargs), reply in zip(batch.commands, replies[:-1], strict=True):
+            if isinstance(reply, redis.ResponseError):
+                log.warning("%s in a batch of events failed: %s", command.upper(), reply)
+
+    def _forget_applied(self) -> None:
+        """Drops the held batches Redis already applied (their EXEC's reply was lost)."""
+        raw = self.client.get(self.marker_key)
+        epoch, _, number = (raw or b"").decode().partition(":")
+        if epoch == self._epoch:
+            while self.backlog and self.backlog[0].number <= int(number):
+                log.info("batch %d of events was written before Redis went away",
+                         self.backlog.popleft().number)
+        self._unsure = False
+
+    def _append(self, batch: _Batch, request_id: str, event_type: str,
                 data: dict[str, Any]) -> protocol.Event:
         state = self.open[request_id]
         events = protocol.events_stream(request_id)
         event = protocol.Event(state.next_seq, event_type, data)
-        pipe.xadd(events, event.encode())
-        pipe.expire(events, protocol.EVENTS_TTL_S)
+        batch.add("xadd", events, event.encode())
+        batch.add("expire", events, protocol.EVENTS_TTL_S)
         state.next_seq += 1
         return event
 
-    def _report_usage(self, pipe: Any, request: protocol.EngineRequest,
+    def _report_usage(self, batch: _Batch, request: protocol.EngineRequest,
                       final: protocol.Event) -> None:
         # NOTE: in the same MULTI as the final event and the XACK: a request's usage is
         # reported exactly when it is settled, so recovery can never report it twice.
@@ -102,23 +187,24 @@ class EventWriter:
             usage=final.data.get("usage") or Usage().to_dict(), occurred_at=time.time(),
             api_key_id=request.api_key_id, adapter=request.adapter,
             finish_reason=final.data.get("finish_reason"), error_code=final.data.get("code"))
-        pipe.xadd(protocol.USAGE_STREAM, report.encode(),
+        batch.add("xadd", protocol.USAGE_STREAM, report.encode(),
                   maxlen=protocol.USAGE_STREAM_MAXLEN, approximate=True)
+        batch.reported.append(request.request_id)
 
-    def _append_final(self, pipe: Any, out: RequestOutput, error_code: str) -> None:
+    def _append_final(self, batch: _Batch, out: RequestOutput, error_code: str) -> None:
         usage = (out.usage or Usage()).to_dict()
         state = self.open[out.request_id]
         if out.error is not None:
-            event = self._append(pipe, out.request_id, protocol.EV_ERROR,
+            event = self._append(batch, out.request_id, protocol.EV_ERROR,
                                  {"code": out.error_code or error_code, "message": out.error,
                                   "usage": usage})
         else:
-            event = self._append(pipe, out.request_id, protocol.EV_FINISH,
+            event = self._append(batch, out.request_id, protocol.EV_FINISH,
                                  {"finish_reason": out.finish_reason, "usage": usage})
-        self._report_usage(pipe, state.request, event)
-        self._settle(pipe, self.open.pop(out.request_id).entry_id)
+        self._report_usage(batch, state.request, event)
+        self._settle(batch, self.open.pop(out.request_id).entry_id)
         self.finished += 1
 
-    def _settle(self, pipe: Any, entry_id: bytes) -> None:
-        pipe.xack(self.stream, protocol.ENGINE_GROUP, entry_id)
-        pipe.xdel(self.stream, entry_id)
+    def _settle(self, batch: _Batch, entry_id: bytes) -> None:
+        batch.add("xack", self.stream, protocol.ENGINE_GROUP, entry_id)
+        batch.add("xdel", self.stream, entry_id)

@@ -26,6 +26,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5.0
 # Event streams and cancel flags outlive their request by this much, then expire.
 EVENTS_TTL_S = 300
+# An engine that cannot write a request's events to Redis for this long stops the request
+# (error ``events_unavailable``) and generates nothing more until Redis answers again.
+PUBLISH_GRACE_S = 1.0
 REQUEST_STREAM_MAXLEN = 100_000
 
 
@@ -57,6 +60,11 @@ ENGINES_ZSET = f"{KEY_PREFIX}:engines"  # member engine_id, score last heartbeat
 def engine_key(engine_id: str) -> str:
     """The engine's latest heartbeat document (EngineHeartbeat as JSON)."""
     return f"{KEY_PREFIX}:engine:{engine_id}"
+
+
+def engine_writes_key(engine_id: str) -> str:
+    """The number of the engine's last batch of event writes Redis applied (engine-private)."""
+    return f"{KEY_PREFIX}:engine-writes:{engine_id}"
 
 
 @dataclass(slots=True)
@@ -121,6 +129,9 @@ ERROR_INVALID_REQUEST = "invalid_request"  # malformed entry or a request the en
 ERROR_ENGINE = "engine_error"  # the engine failed while running this request
 ERROR_ENGINE_LOST = "engine_lost"  # its engine died; another engine closed the stream
 ERROR_ENGINE_SHUTDOWN = "engine_shutdown"  # its engine was stopped before it finished
+# Its engine could not write its events to Redis for PUBLISH_GRACE_S and stopped it; the
+# final event (with the usage of what was made) is written once Redis answers again.
+ERROR_EVENTS_UNAVAILABLE = "events_unavailable"
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 import redis
@@ -42,18 +43,19 @@ class Recovery:
         self.engine_id = engine_id
         self.claim_min_idle_s = claim_min_idle_s
 
-    def run(self, *, own: bool = False) -> int:
+    def run(self, *, own: bool = False, skip: Collection[bytes] = ()) -> int:
         """Claims and settles dead engines' entries; returns how many it claimed.
 
         ``own``: this engine's own pending entries, at start-up: an earlier process
-        with the same engine_id died holding them.
+        with the same engine_id died holding them; or after Redis was unreachable, the
+        entries it read but never started, less ``skip`` (the ones it is running).
         """
         min_idle_ms = 0 if own else int(self.claim_min_idle_s * 1000)
         pending = self.client.xpending_range(
-            self.stream, protocol.ENGINE_GROUP, min="-", max="+", count=_BATCH,
+            self.stream, protocol.ENGINE_GROUP, min="-", max="+", count=_BATCH + len(skip),
             consumername=self.engine_id if own else None, idle=min_idle_ms or None)
         if own:
-            ids = [p["message_id"] for p in pending]
+            ids = [p["message_id"] for p in pending if p["message_id"] not in skip]
         else:
             owners = {_text(p["consumer"]) for p in pending} - {self.engine_id}
             alive = self.alive(owners)

@@ -1,13 +1,21 @@
 """The engine worker: requests in from Redis, engine steps, events out (docs/protocol.md).
 
 Redis I/O only; what runs the model hides behind ``EngineCore``. Each turn of
-the loop: heartbeat (every second) → recover dead engines' requests (now and
-then) → take new requests → abort cancelled ones → ``engine.step()`` → publish.
+the loop: write what Redis could not take before → heartbeat (every second) →
+recover dead engines' requests (now and then) → take new requests → abort
+cancelled ones → ``engine.step()`` → publish.
+
+While Redis does not answer, the engine takes no step: the loop retries every
+``reconnect_wait_s``, and once Redis has been silent for ``publish_grace_s`` it
+stops every request it holds with ``events_unavailable``; their final events and
+usage reports wait in the event writer's backlog until Redis answers again
+(docs/protocol.md, "When Redis is unreachable").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -22,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from engine import protocol
-from engine.events import EventWriter
+from engine.events import UNREACHABLE, EventWriter
 from engine.intake import Intake
 from engine.outputs import EngineCore, RequestOutput, Usage
 from engine.recovery import Recovery
@@ -40,12 +50,17 @@ class WorkerConfig:
     recovery_interval_s: float = 5.0
     # A pending entry is recovered once idle this long and its engine's heartbeat is stale.
     claim_min_idle_s: float = 3 * protocol.HEARTBEAT_TTL_S
+    # Redis unreachable this long: every request held is stopped (events_unavailable).
+    publish_grace_s: float = protocol.PUBLISH_GRACE_S
+    reconnect_wait_s: float = 0.1  # between tries while Redis does not answer
 
     def __post_init__(self) -> None:
         if self.idle_block_ms < 1:
             raise ValueError("idle_block_ms must be >= 1")
         if self.recovery_interval_s <= 0 or self.claim_min_idle_s < 0:
             raise ValueError("recovery_interval_s must be > 0 and claim_min_idle_s >= 0")
+        if self.publish_grace_s <= 0 or self.reconnect_wait_s <= 0:
+            raise ValueError("publish_grace_s and reconnect_wait_s must be > 0")
 
 
 class Worker:
@@ -57,7 +72,7 @@ class Worker:
         self.engine_id = engine_id
         self.config = config
         self.stream = protocol.request_stream(model_name)
-        self.events = EventWriter(client, self.stream)
+        self.events = EventWriter(client, self.stream, engine_id=engine_id)
         self.intake = Intake(client, engine, self.events, model_name=model_name,
                              engine_id=engine_id)
         self.recovery = Recovery(client, self.events, self.intake, engine_id=engine_id,
@@ -70,6 +85,9 @@ class Worker:
         # Deletions before this engine started concern adapters it never loaded: it reads on
         # from the stream's last entry at start-up (run).
         self._adapter_events_id: bytes | str = "0-0"
+        self._io_since = 0.0  # when the Redis calls under way began (monotonic)
+        self._unreachable_since: float | None = None  # monotonic; None while Redis answers
+        self._group_missing = False
 
     def run(self, stop: threading.Event) -> None:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
@@ -86,15 +104,21 @@ class Worker:
                     if "NOGROUP" not in str(exc):
                         raise
                     log.warning("consumer group missing on %s; creating it again", self.stream)
-                    self.ensure_group()
-                except redis.ConnectionError:
-                    log.warning("lost the Redis connection; retrying", exc_info=True)
-                    stop.wait(0.5)
+                    self._group_missing = True
+                except UNREACHABLE as exc:
+                    self.unreachable(exc)
+                    stop.wait(self.config.reconnect_wait_s)
         finally:
             self.shutdown()
 
     def tick(self) -> None:
-        now = time.monotonic()
+        self._io_since = now = time.monotonic()
+        self.events.flush()  # NOTE: raises while Redis is away, so no step runs into the void
+        if self._unreachable_since is not None:
+            self.reconnected()
+        if self._group_missing:
+            self.ensure_group()
+            self._group_missing = False
         if now >= self._next_heartbeat:
             self.heartbeat()
         if now >= self._next_recovery:
@@ -104,8 +128,41 @@ class Worker:
         self.take()
         self.abort_cancelled()
         if self.engine.has_unfinished():
-            self.events.publish(self.engine.step())
+            outputs = self.engine.step()
+            self._io_since = time.monotonic()
+            self.events.publish(outputs)
             self.steps += 1
+
+    def unreachable(self, exc: Exception) -> None:
+        """Redis did not answer: past the grace period, stops every request held."""
+        if self._unreachable_since is None:
+            # NOTE: from when the calls that failed began, not when they failed: a call to a
+            # silent server fails only after its socket timeout.
+            self._unreachable_since = self._io_since
+            log.warning("Redis does not answer (%s: %s); holding %d batch(es) of events and "
+                        "retrying", type(exc).__name__, exc, len(self.events.backlog))
+        if (self.events.open
+                and time.monotonic() - self._unreachable_since >= self.config.publish_grace_s):
+            self.abort_unpublishable()
+
+    def abort_unpublishable(self) -> None:
+        log.warning("stopping %d request(s): their events could not be written for %.1f s",
+                    len(self.events.open), self.config.publish_grace_s)
+        outputs = self._fail_open(protocol.ERROR_EVENTS_UNAVAILABLE,
+                                  "the engine could not deliver this request's output")
+        with contextlib.suppress(*UNREACHABLE):  # held: written first once Redis answers
+            self.events.publish(outputs, error_code=protocol.ERROR_EVENTS_UNAVAILABLE)
+
+    def reconnected(self) -> None:
+        """Redis answers again, and has what was held: the engine takes up its work."""
+        self.heartbeat()
+        self.ensure_group()  # gone if Redis came back without its data
+        # Entries read but never started (a reply lost, a read cut short) are pending here.
+        running = {state.entry_id for state in self.events.open.values()}
+        self.recovery.run(own=True, skip=running)
+        log.warning("Redis answers again after %.1f s",
+                    time.monotonic() - (self._unreachable_since or 0.0))
+        self._unreachable_since = None
 
     def _last_adapter_event_id(self) -> bytes | str:
         last = self.client.xrevrange(protocol.ADAPTER_EVENTS_STREAM, count=1)
@@ -182,19 +239,30 @@ class Worker:
     def shutdown(self) -> None:
         """Fails what is still in the engine, then leaves the set of live engines."""
         try:
-            outputs = [self._abort(rid, protocol.ERROR_ENGINE_SHUTDOWN)
-                       for rid in list(self.events.open)]
-            for out in outputs:
-                out.error = "the engine shut down before the request finished"
+            outputs = self._fail_open(protocol.ERROR_ENGINE_SHUTDOWN,
+                                      "the engine shut down before the request finished")
             self.events.publish(outputs, error_code=protocol.ERROR_ENGINE_SHUTDOWN)
+            self.events.flush()  # what an outage held, when nothing was left to publish
             with self.client.pipeline(transaction=True) as pipe:
                 pipe.zrem(protocol.ENGINES_ZSET, self.engine_id)
-                pipe.delete(protocol.engine_key(self.engine_id))
+                pipe.delete(protocol.engine_key(self.engine_id), self.events.marker_key)
                 pipe.execute()
             self.recovery.forget_consumer(self.engine_id)
         except redis.RedisError:
             log.warning("could not deregister engine %s cleanly", self.engine_id, exc_info=True)
+        lost = [rid for batch in self.events.backlog for rid in batch.reported]
+        if self.events.backlog:
+            log.error("engine %s stopped with %d batch(es) of events unwritten; usage of %d "
+                      "request(s) not reported: %s", self.engine_id, len(self.events.backlog),
+                      len(lost), ", ".join(lost))
         log.info("engine %s stopped", self.engine_id)
+
+    def _fail_open(self, reason: str, message: str) -> list[RequestOutput]:
+        """Stops every request the engine holds; their final outputs, as errors."""
+        outputs = [self._abort(rid, reason) for rid in list(self.events.open)]
+        for out in outputs:
+            out.error = message
+        return outputs
 
     def _abort(self, request_id: str, reason: str) -> RequestOutput:
         out = self.engine.abort_request(request_id, reason)
@@ -283,6 +351,19 @@ def default_engine_factory(model_dir: Path) -> EngineCore:
     return engine_factory_from_args(parser.parse_args([]))(model_dir)
 
 
+def redis_options(config: WorkerConfig) -> dict[str, Any]:
+    """The worker's client: it fails fast and retries nothing itself.
+
+    The worker's loop retries, and the event writer knows which writes may have landed
+    when a reply was lost; redis-py's own retries (seconds of backoff by default) would
+    resend a MULTI blindly and hide an outage past the grace period. A command waits at
+    most the grace period for an answer (plus the loop's blocking read).
+    """
+    return {"retry": Retry(NoBackoff(), 0),
+            "socket_connect_timeout": config.publish_grace_s,
+            "socket_timeout": config.publish_grace_s + config.idle_block_ms / 1000}
+
+
 def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
                engine_id: str | None = None, stop: threading.Event | None = None,
                engine_factory: EngineFactory | None = None,
@@ -291,9 +372,9 @@ def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
     """Serves ``model_name`` from ``model_dir`` until ``stop`` is set."""
     engine_id = engine_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     engine = (engine_factory or default_engine_factory)(Path(model_dir))
-    client = redis.Redis.from_url(redis_url)
-    worker = Worker(client, engine, model_name=model_name, engine_id=engine_id,
-                    config=config or WorkerConfig())
+    config = config or WorkerConfig()
+    client = redis.Redis.from_url(redis_url, **redis_options(config))
+    worker = Worker(client, engine, model_name=model_name, engine_id=engine_id, config=config)
     server = None
     if metrics_port:
         from engine.metrics_server import serve_metrics
