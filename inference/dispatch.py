@@ -142,6 +142,9 @@ class Dispatch:
                                            block=max(1, int(remaining * 1000)))
             for entry_id, fields in reply[0][1] if reply else ():
                 event = protocol.Event.decode(fields)
+                if event.seq < self._expected_seq:
+                    self._last_id = entry_id  # written twice (docs/protocol.md): skip it
+                    continue
                 if event.seq != self._expected_seq:
                     return
                 await self._take(entry_id, event)
@@ -169,6 +172,11 @@ class Dispatch:
                     continue
             for entry_id, fields in reply[0][1]:
                 event = protocol.Event.decode(fields)
+                if event.seq < self._expected_seq:
+                    # An engine that lost the reply to a write after a Redis outage may
+                    # write it again (docs/protocol.md): the copy is skipped.
+                    self._last_id = entry_id
+                    continue
                 if event.seq != self._expected_seq:
                     await self.cancel()
                     raise EngineFailed(f"lost events from the engine (expected "

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import redis
 from django.conf import settings
 
 from adapters.facade import (
@@ -301,8 +302,12 @@ async def close(prepared: Prepared, dispatch: Dispatch,
 
 def _log_failed_close(closing: asyncio.Future) -> None:
     # NOTE: read here too: its awaiter may have been cancelled and never read it.
-    if not closing.cancelled() and closing.exception() is not None:
-        log.warning("cleaning up a request failed", exc_info=closing.exception())
+    if closing.cancelled() or (error := closing.exception()) is None:
+        return
+    if isinstance(error, redis.RedisError):  # an outage: the engine stops on its own
+        log.warning("cleaning up a request failed: Redis is unreachable (%s)", error)
+    else:
+        log.warning("cleaning up a request failed", exc_info=error)
 
 
 async def _close(prepared: Prepared, dispatch: Dispatch,
@@ -338,8 +343,9 @@ def _raise_for_final(event: protocol.Event) -> None:
     """The engine's last word as the client's error. The wire's error taxonomy: a request
     the engine refused as invalid (one that cannot fit its KV cache, an adapter that cannot
     load) is the client's 400; an engine stopped on purpose before it finished is a 503 to
-    retry (another engine, or this one restarted, will serve it); the engine's own failure,
-    or its death, is 502. 429 is admission's alone, 500 the web tier's own fault."""
+    retry (another engine, or this one restarted, will serve it), as is a request the
+    engine stopped because it could not reach Redis; the engine's own failure, or its
+    death, is 502. 429 is admission's alone, 500 the web tier's own fault."""
     if event.type == protocol.EV_ERROR:
         code = event.data.get("code")
         if code == protocol.ERROR_INVALID_REQUEST:
@@ -348,6 +354,9 @@ def _raise_for_final(event: protocol.Event) -> None:
         if code == protocol.ERROR_ENGINE_SHUTDOWN:
             raise NoEngineAvailable("the engine serving this request was stopped before it "
                                     "finished; retry", headers={"retry-after": "1"})
+        if code == protocol.ERROR_EVENTS_UNAVAILABLE:
+            raise ServiceUnavailable("the engine stopped this request: it could not reach "
+                                     "Redis to send its output; retry shortly")
         raise EngineFailed(f"the engine failed this request ({code})")
     if event.data.get("finish_reason") == protocol.FINISH_DEADLINE:
         raise DeadlineExceeded("the request did not finish before its deadline")

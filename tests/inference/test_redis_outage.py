@@ -27,6 +27,7 @@ import pytest
 import redis as redis_lib
 from django.conf import settings
 
+from engine import protocol
 from inference import admission as quota
 from tests.inference.slow_engine import slow_factory
 from tests.live import start_engine
@@ -132,6 +133,7 @@ def _ws(url: str, key: str, model: str, result: StreamResult, messages: list[dic
             message = json.loads(ws.recv(timeout=60))
             messages.append(message)
             if message["type"] == "chunk":
+                result.ids.append(message["data"]["id"])
                 result.chunks += 1
                 if result.chunks == 3:
                     result.started.set()
@@ -141,16 +143,19 @@ def _ws(url: str, key: str, model: str, result: StreamResult, messages: list[dic
             return
 
 
-def _first_success_after(api_server: str, key: str, model: str, limit_s: float) -> float:
-    start = time.monotonic()
+def _first_success_after(api_server: str, key: str, model: str,
+                         limit_s: float) -> tuple[float, list[str]]:
+    """Seconds until a request succeeds again, and the error codes answered before that."""
+    start, codes = time.monotonic(), []
     while time.monotonic() - start < limit_s:
         answer = httpx.post(f"{api_server}/v1/completions", timeout=30,
                             headers={"Authorization": f"Bearer {key}"},
                             json={"model": model, "prompt": "again", "max_tokens": 2})
         if answer.status_code == 200:
-            return time.monotonic() - start
+            return time.monotonic() - start, codes
+        codes.append(answer.json()["error"]["code"])
         time.sleep(0.2)
-    raise AssertionError(f"no success within {limit_s} s: {answer.status_code} {answer.text}")
+    raise AssertionError(f"no success within {limit_s} s: {codes}")
 
 
 def test_redis_killed_mid_stream_ends_every_stream_cleanly_and_recovers(
@@ -187,14 +192,19 @@ def test_redis_killed_mid_stream_ends_every_stream_cleanly_and_recovers(
         assert refused.json()["error"]["type"] == "server_error"
 
         killable_redis.start()
-        recovered_s = _first_success_after(api_server, tenant_key.key, served_model, 30)
+        recovered_s, codes = _first_success_after(api_server, tenant_key.key, served_model,
+                                                  30)
+        billed, generated = _billed_and_generated(tenant_key.tenant_id, "outage-engine",
+                                                  [r.ids[0] for r in [*sse, ws_result]])
     finally:
         engine.stop.set()
         engine.thread.join(timeout=30)
 
     print(json.dumps({"persistent": killable_redis.persistent, "streams_ended_s": ended_s,
-                      "recovered_s": recovered_s, "sse": [(r.chunks, r.ended) for r in sse],
-                      "ws": (ws_result.chunks, ws_result.ended)}))
+                      "recovered_s": recovered_s, "refused_while_recovering": codes,
+                      "sse": [(r.chunks, r.ended) for r in sse],
+                      "ws": (ws_result.chunks, ws_result.ended), "billed": billed,
+                      "generated": generated}))
     for r in sse:
         assert r.ended.startswith("APIError: ") and "Redis is unreachable" in r.ended, r.ended
         assert 3 <= r.chunks < MAX_TOKENS
@@ -202,13 +212,43 @@ def test_redis_killed_mid_stream_ends_every_stream_cleanly_and_recovers(
     assert (ws_messages[-1]["status"], ws_messages[-1]["error"]["code"]) == \
         (503, "service_unavailable")
     assert ended_s < 10
+    # Redis is back: the key cache and admission answer at once (pooled connections that
+    # died with the old server are replaced); only the engine may take a heartbeat to
+    # show up again.
+    assert set(codes) <= {"engine_unavailable"}, codes
 
     # No slot outlives its request: whatever Redis kept, nothing is left in flight.
     live = redis_lib.Redis.from_url(settings.REDIS_URL)
-    month, _ = quota.month_window()
     deadline = time.time() + 15
     while live.zcard(quota.quota_key("t", tenant_key.tenant_id, "inflight")) and \
             time.time() < deadline:
         time.sleep(0.2)
     assert live.zcard(quota.quota_key("t", tenant_key.tenant_id, "inflight")) == 0
     assert live.zcard(quota.quota_key("k", tenant_key.key_id, "inflight")) == 0
+
+    # The ledger bills what the engine generated, and never less than a client received.
+    for r in [*sse, ws_result]:
+        assert billed[r.ids[0]] >= r.chunks, (billed, r.chunks)
+    assert sum(billed.values()) == generated, (billed, generated)
+
+
+def _billed_and_generated(tenant_id: int, engine_id: str,
+                          cut: list[str]) -> tuple[dict[str, int], int]:
+    """Completion tokens in the ledger by request, once the cut requests are in it, and the
+    tokens the engine says it generated (its heartbeat, a second after the last request)."""
+    from billing.models import UsageRecord
+    from billing.tasks import usage_ingest
+
+    live = redis_lib.Redis.from_url(settings.REDIS_URL)
+    deadline = time.time() + 20
+    while True:
+        usage_ingest()
+        billed = dict(UsageRecord.objects.filter(tenant_id=tenant_id)
+                      .values_list("request_id", "completion_tokens"))
+        if set(cut) <= set(billed) or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(cut) <= set(billed), (cut, billed)
+    time.sleep(protocol.HEARTBEAT_INTERVAL_S * 1.5)
+    beat = protocol.EngineHeartbeat.decode(live.get(protocol.engine_key(engine_id)))
+    return billed, beat.stats["tokens_generated"]
