@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import redis as redis_lib
 from django.conf import settings
@@ -324,3 +325,84 @@ def test_planted_secrets_reach_no_sink_unredacted(api_server, served_model, echo
     # Prompt text never reaches a log line at all, redacted or not.
     assert marker not in sinks["log output"]
     assert not [m for m in captured_logs.raw if marker in m or any(n in m for n in needles)]
+
+
+def _hostile_http(api_server: str, key: str, model: str, planted: list[Planted]) -> int:
+    """Requests carrying secrets everywhere a client can put them (all refused but one,
+    whose query string is ignored); how many."""
+    texts = [item.text for item in planted]
+    auth = {"Authorization": f"Bearer {key}"}
+    requests = [
+        # Bodies that are not JSON, or not what the API takes.
+        ("POST", "/v1/chat/completions", auth, "{" + texts[0] + "\ud800".encode(
+            "utf-8", "surrogatepass").decode("latin-1")),
+        ("POST", "/v1/chat/completions", auth, json.dumps(
+            {"model": model, "messages": [{"role": [texts[1]], "content": texts[2]}]})),
+        ("POST", "/v1/completions", auth, json.dumps(
+            {"model": model, "prompt": texts[3], texts[4][:40]: texts[5]})),
+        ("POST", "/v1/completions", auth, json.dumps({"model": texts[6], "prompt": "x"})),
+        # Secrets in the query string and the path, with and without a key.
+        ("GET", f"/v1/models?api_key={planted[7].needles[0]}&to={planted[15].needles[0]}",
+         auth, None),
+        # (A path segment is redacted when it looks like a secret: an atr_ key here. A
+        # random word in a path is indistinguishable from a name, and is not.)
+        ("GET", f"/v1/no-such/{planted[0].needles[0]}", {}, None),
+        ("GET", f"/api/v1/tenants/x?password={planted[9].needles[0]}", {}, None),
+        # Secrets in headers: a bad key, and headers nobody reads.
+        ("GET", "/v1/models", {"Authorization": f"Bearer {planted[10].needles[0]}"}, None),
+        ("POST", "/v1/chat/completions", {**auth, "X-Note": texts[11].replace("\n", " ")},
+         "not json"),
+    ]
+    for method, path, headers, body in requests:
+        answer = httpx.request(method, f"{api_server}{path}", headers=headers,
+                               content=body, timeout=30)
+        assert answer.status_code < 500, (path, answer.status_code, answer.text)
+        assert answer.headers["content-type"].startswith("application/json")
+    return len(requests)
+
+
+def _hostile_websocket(api_server: str, key: str, model: str, planted: list[Planted]) -> None:
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+    frames = [
+        f"not json {planted[12].text}",
+        json.dumps({"type": "request", "id": planted[13].text[:100], "endpoint": "x"}),
+        json.dumps({"type": "request", "id": "b", "endpoint": "chat.completions",
+                    "body": {"model": model, "messages": [
+                        {"role": "user", "content": planted[14].text, "x": planted[16].text}]}}),
+        json.dumps({"type": planted[17].text, "id": "c"}),
+    ]
+    with connect(url, additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        for frame in frames:
+            ws.send(frame)
+            assert json.loads(ws.recv(timeout=30))["type"] == "error"
+
+
+@pytest.mark.parametrize("debug", [True, False], ids=["development", "production"])
+def test_secrets_in_refused_requests_reach_no_sink_in_either_mode(
+        api_server, served_model, echo_engine, tiny_model_path, captured_logs, settings,
+        debug):
+    """Issue 16: 4xx bodies, headers, query strings and websocket frames, with DEBUG on as
+    a developer runs it and off as production does."""
+    settings.DEBUG = debug
+    started = time.time() - 1
+    planted = plant()
+    caller = make_tenant_key("keeps")
+    log_policy_update(tenant=Tenant.objects.get(slug="keeps"), actor=SYSTEM, log_bodies=True)
+    sent = _hostile_http(api_server, caller.key, served_model, planted)
+    _hostile_websocket(api_server, caller.key, served_model, planted)
+    assert sent
+    time.sleep(1.0)  # the request log's background writes
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json"))
+    sinks = {
+        "log output": "\n".join(captured_logs.lines),
+        "database": _database_text(),
+        "redis": _redis_text(redis_lib.Redis.from_url(settings.REDIS_URL), tokenizer),
+        "files": _files_text(started),
+    }
+    needles = {n for item in planted for n in item.needles} | {caller.key}
+    for sink, text in sinks.items():
+        leaked = sorted(n for n in needles if n in text)
+        assert not leaked, f"{sink} holds {leaked}"
