@@ -6,14 +6,11 @@ append-only file, so it can kill and restart it without touching the suite's Red
 
 from __future__ import annotations
 
-import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,72 +21,11 @@ from engine import protocol
 from engine.events import EventWriter
 from engine.outputs import RequestOutput, Usage
 from engine.worker import WorkerConfig, redis_options, run_worker
-
-REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="needs redis-server on PATH")
+from tests.redis_server import RedisServer
 
 PROMPT = [0, 11, 12, 13, 14]
 LONG = dict(max_tokens=1900, ignore_eos=True)  # runs for seconds unless something stops it
 GRACE = protocol.PUBLISH_GRACE_S
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RedisServer:
-    """One redis-server process; ``persistent``: an append-only file, fsynced every write."""
-
-    folder: Path
-    persistent: bool
-    port: int = field(default_factory=_free_port)
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        durability = (["--appendonly", "yes", "--appendfsync", "always"] if self.persistent
-                      else ["--appendonly", "no"])
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--dir", str(self.folder), *durability],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        with redis.Redis(port=self.port, socket_connect_timeout=0.5) as client:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    assert self.process.poll() is None, "redis-server exited"
-                    assert time.monotonic() < deadline, "redis-server did not answer"
-                    time.sleep(0.02)
-
-    def kill(self) -> float:
-        """SIGKILL, as a crash; returns when (unix s) it was dead."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=5)
-        return time.time()
-
-    def pause(self) -> float:
-        """SIGSTOP: connections stay open and nothing answers, as a hung server or a lost
-        network; returns when (unix s)."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-        return time.time()
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
 
 
 @pytest.fixture

