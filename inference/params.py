@@ -297,6 +297,15 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return name or None
 
 
+_TYPE_NAMES = {"model_type": "an object", "dict_type": "an object", "list_type": "a list",
+               "string_type": "a string", "int_type": "an integer", "float_type": "a number",
+               "bool_type": "a boolean"}
+
+
+_ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(ChatMessage) | _fields(StreamOptions)
+               | _fields(SocketRequest))
+
+
 def _invalid(error: ValidationError) -> InvalidRequest:
     """The first problem, in OpenAI's words and codes."""
     first = error.errors(include_url=False)[0]
@@ -305,7 +314,7 @@ def _invalid(error: ValidationError) -> InvalidRequest:
     kind = first["type"]
     loc = [p for p in path if isinstance(p, int) or p in _ALL_FIELDS]
     if kind == "extra_forbidden" or isinstance(last, int) or last in _ALL_FIELDS:
-        loc.append(last)  # the unknown key itself is no field
+        loc.append(last)  # an unknown key is named though it is no field
     param = _param(tuple(loc))
     if kind == "extra_forbidden":
         return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param,
@@ -324,14 +333,6 @@ def _invalid(error: ValidationError) -> InvalidRequest:
                               code="invalid_type")
     return InvalidRequest(f"'{param}': {first['msg']}", param=param, code="invalid_value")
 
-
-_TYPE_NAMES = {"model_type": "an object", "dict_type": "an object", "list_type": "a list",
-               "string_type": "a string", "int_type": "an integer", "float_type": "a number",
-               "bool_type": "a boolean"}
-
-
-_ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(ChatMessage) | _fields(StreamOptions)
-               | _fields(SocketRequest))
 
 
 def _validate(model: type[CommonBody], body: Any) -> CommonBody:
