@@ -1,0 +1,236 @@
+"""Structured output: compiling response formats to token grammars, and masking logits by them.
+
+The platform sends a response format as a plain dict, ``{"type": "json_object"}`` or
+``{"type": "json_schema", "schema": {...}}``. ``Grammars`` (one per model, owned by the
+engine) compiles it with xgrammar on its own threads, so a slow schema never stalls a step;
+``GrammarState`` follows one sequence through its grammar; ``apply_grammars`` masks one
+batch's logits in place. The runner owns the tensors; the scheduler only sees the states.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
+
+from engine.json_schema_support import first_problem
+
+PARAM = "response_format"
+
+# NOTE: json_object is the schema {"type": "object"} rather than xgrammar's builtin JSON
+# grammar: the builtin one also admits arrays and unbounded whitespace, so an untrained model
+# could answer "[" or pad with spaces until max_tokens. This one admits any object, compactly.
+_JSON_OBJECT = '{"type": "object"}'
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = (r'([^\0-\x1f\"\\] | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] '
+               r'[A-Fa-f0-9] [A-Fa-f0-9]))))')
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """A response format the engine cannot compile or enforce: the client's mistake (a 400)."""
+
+
+def spec_key(spec: Any) -> str:
+    """The cache key of a response format: the sha256 of its canonical JSON."""
+    canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _tokenizer_info(model_dir: Path, vocab_size: int,
+                    stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """The model's vocabulary as xgrammar sees it, with special tokens blanked.
+
+    xgrammar reads a token's text, not its ``special`` flag, so ``<|user|>`` would be a valid
+    piece of a JSON string. An empty entry makes it a special token, which no grammar admits;
+    the stop tokens stay allowed where the grammar ends, by their ids.
+    """
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    encoded = [""] * vocab_size
+    for text, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size and token_id not in special:
+            encoded[token_id] = text
+    return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=stop_token_ids,
+                             add_prefix_space=detected.add_prefix_space)
+
+
+class GrammarState:
+    """One sequence's place in its grammar; the runner masks by it, the scheduler feeds it."""
+
+    __slots__ = ("_matcher", "vocab_size")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+
+    def accept(self, token_id: int) -> bool:
+        """Advances by one sampled token; False (state unchanged) if the grammar forbids it."""
+        return self._matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last ``num_tokens`` accepted tokens (speculative or preempted work)."""
+        self._matcher.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and a stop token was accepted."""
+        return self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into ``bitmask[row]`` (one bit per token)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_grammars(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
+    """Sets every token a row's grammar forbids to -inf, in place; rows with None stay as they are.
+
+    ``logits`` is [rows, vocab]; its width must be the ``vocab_size`` the grammars were built
+    for (the model's logits width, padding included: padded ids are never allowed).
+    """
+    constrained = [(row, state) for row, state in enumerate(states) if state is not None]
+    if not constrained:
+        return
+    vocab_size = logits.shape[-1]
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+    if any(state.vocab_size != vocab_size for _, state in constrained):
+        raise ValueError(f"logits are {vocab_size} wide, the grammars' vocabulary is not")
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)  # [rows, ceil(vocab / 32)]
+    for row, state in constrained:
+        state.fill(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    indices=[row for row, _ in constrained])
+
+
+class Grammars:
+    """Compiles response formats for one model, off the caller's thread, and keeps the results.
+
+    NOTE: the cache is keyed by the spec alone because the tokenizer is fixed per instance:
+    a compiled grammar embeds the vocabulary it was built for, so a second model needs its
+    own ``Grammars``. ``hits`` counts submits answered by a cached or in-flight compile,
+    ``misses`` the compiles started.
+    """
+
+    def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: Iterable[int], *,
+                 cache_size: int = 128, threads: int = 1) -> None:
+        if cache_size < 1 or threads < 1:
+            raise ValueError("cache_size and threads must be at least 1")
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        info = _tokenizer_info(Path(model_dir), vocab_size, sorted(set(stop_token_ids)))
+        # NOTE: xgrammar's own cache is off: ours bounds memory by entries and dedups in flight.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._futures: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.compiles = 0
+        self.compile_seconds_total = 0.0
+        self.last_compile_seconds = 0.0
+
+    def submit(self, spec: dict[str, Any]) -> Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar, raising GrammarError if the spec is refused.
+
+        Identical specs get the same future, whether it is done or still compiling.
+        """
+        try:
+            key = spec_key(spec)
+        except (TypeError, ValueError) as error:
+            failed: Future[xgr.CompiledGrammar] = Future()
+            failed.set_exception(GrammarError(f"{PARAM}: not JSON: {error}"))
+            return failed
+        with self._lock:
+            future = self._futures.get(key)
+            if future is not None:
+                self._futures.move_to_end(key)
+                self.hits += 1
+                return future
+            self.misses += 1
+            future = self._pool.submit(self._compile, spec)
+            self._futures[key] = future
+            while len(self._futures) > self.cache_size:
+                self._futures.popitem(last=False)
+        future.add_done_callback(lambda done: self._forget_failure(key, done))
+        return future
+
+    def state(self, compiled: xgr.CompiledGrammar) -> GrammarState:
+        """A fresh matcher at the start of ``compiled``, for one sequence."""
+        return GrammarState(compiled, self.vocab_size)
+
+    def close(self) -> None:
+        """Stops the compile threads; compiles already running finish first."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _forget_failure(self, key: str, future: Future[xgr.CompiledGrammar]) -> None:
+        """A refused spec is not kept: the LRU holds grammars, and the error is cheap to redo."""
+        if future.cancelled() or future.exception() is not None:
+            with self._lock:
+                if self._futures.get(key) is future:
+                    del self._futures[key]
+
+    def _compile(self, spec: dict[str, Any]) -> xgr.CompiledGrammar:
+        schema = _schema_text(spec)
+        started = time.perf_counter()
+        try:
+            compiled = self._compile_schema(schema)
+        except (RuntimeError, ValueError) as error:
+            raise GrammarError(f"{PARAM}.json_schema: {_reason(error)}") from None
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds_total += elapsed
+            self.last_compile_seconds = elapsed
+        return compiled
+
+
+    def _compile_schema(self, schema: str) -> xgr.CompiledGrammar:
+        """Compact (any_whitespace=False) and strict, so even an untrained model closes the JSON.
+
+        NOTE: xgrammar 0.2.8 writes a length-bounded string's character as "anything but a
+        quote, a backslash, CR or LF": it admits the raw control characters JSON forbids and
+        no escape at all. It is swapped for JSON's character (an escape counts as one, as the
+        schema counts it); tests/engine/test_grammar.py fails if the swap stops applying.
+        """
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+        text = str(grammar)
+        if _LOOSE_CHARS not in text:
+            return self._compiler.compile_grammar(grammar)
+        return self._compiler.compile_grammar(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
+def _schema_text(spec: Any) -> str:
+    """The JSON schema a spec stands for, once it passed the checks the platform also runs."""
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "json_object":
+        return _JSON_OBJECT
+    if kind != "json_schema":
+        raise GrammarError(f"{PARAM}.type must be 'json_object' or 'json_schema', not {kind!r}")
+    if "schema" not in spec:
+        raise GrammarError(f"{PARAM}.json_schema: 'schema' is required")
+    problem = first_problem(spec["schema"])
+    if problem is not None:
+        raise GrammarError(f"{PARAM}.json_schema: {problem.message}"
+                           + (f" (at {problem.path})" if problem.path else ""))
+    return json.dumps(spec["schema"])
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its timestamp and C++ source location."""
+    lines = str(error).strip().splitlines() or [repr(error)]
+    return _CPP_PREFIX.sub("", lines[0])
