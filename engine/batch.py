@@ -7,7 +7,8 @@ and turns a ``SchedulerOutput`` into one sampled token per request that asked (o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -33,6 +34,12 @@ class ScheduledRequest:
     # The adapter (content hash) that must be in adapter_slot: AdapterLifecycle copies it
     # in if the slot holds anything else, and the runner refuses to run it otherwise.
     adapter_hash: str | None = None
+    # The sequence's tokens so far (prompt, then output), read by penalties; not a copy.
+    history: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    # Structured output: the sequence's grammar state (engine/grammar.py), which masks the
+    # tokens it cannot accept; the runner reads it, the scheduler advances it.
+    grammar: Any = None
 
     @property
     def is_decode(self) -> bool:
@@ -48,6 +55,28 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of one sampled token under the model (its raw log-softmax)."""
+
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens, most likely first
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one forward pass produced, in the order of ``SchedulerOutput.requests``."""
+
+    # A token for each request that sampled, None for the others, SampleFailure for a row
+    # that could not be sampled.
+    sampled: list[int | SampleFailure | None]
+    # Set for the rows whose request asked for logprobs.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    def logprobs_of(self, index: int) -> TokenLogprobs | None:
+        return self.logprobs[index] if self.logprobs else None
 
 
 @dataclass(slots=True, frozen=True)

@@ -87,8 +87,11 @@ class EventWriter:
         for out in outputs:
             self.tokens_written += len(out.token_ids)
             if out.text_delta or out.token_ids:
-                self._append(batch, out.request_id, protocol.EV_DELTA,
-                             {"text": out.text_delta, "token_ids": out.token_ids})
+                data: dict[str, Any] = {"text": out.text_delta, "token_ids": out.token_ids}
+                if out.logprobs is not None:
+                    data["logprobs"] = [[lp.logprob, [list(pair) for pair in lp.top]]
+                                        for lp in out.logprobs]
+                self._append(batch, out.request_id, protocol.EV_DELTA, data)
             if out.finished:
                 self._append_final(batch, out, error_code)
         self._send(batch)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Any
+from concurrent import futures
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
@@ -26,8 +28,11 @@ from engine.model_runner import DTYPES, ModelRunner
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, usage_of
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,10 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.metrics = EngineMetrics()
+        # Structured output: grammars compile on a thread off this loop, built on the first
+        # request that needs one; a sequence waits in _compiling until its grammar is ready.
+        self._grammars: Grammars | None = None
+        self._compiling: dict[str, tuple[Sequence, Future]] = {}
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -74,13 +83,15 @@ class LLMEngine:
 
     def add_request(self, request: protocol.EngineRequest) -> None:
         params = SamplingParams.from_spec(request.sampling)
+        params.min_tokens_masked = frozenset(self.eos_token_ids | set(params.stop_token_ids))
         prompt = request.prompt_token_ids
         self._check_prompt(prompt, params)
         adapter_hash = request.adapter_hash
         if adapter_hash is not None:
             self._check_adapter(request)
-        if request.request_id in self.scheduler.sequences or (
-                self.adapters is not None and self.adapters.holds_request(request.request_id)):
+        if request.request_id in self.scheduler.sequences or request.request_id in \
+                self._compiling or (self.adapters is not None
+                                    and self.adapters.holds_request(request.request_id)):
             raise ValueError(f"request {request.request_id} is already in the engine")
         scope = "\0".join((request.tenant_id, request.cache_salt,
                            adapter_hash or request.adapter or ""))
@@ -91,9 +102,16 @@ class LLMEngine:
             cache_scope=scope.encode(), deadline=request.deadline,
             adapter_hash=adapter_hash,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        if request.sampling.grammar is not None:
+            self._compiling[seq.request_id] = (seq, self.grammars().submit(
+                request.sampling.grammar))
+        else:
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         # A sequence whose adapter is still loading joins the queue once it is in host memory
         # (_admit_loaded).
-        if adapter_hash is None or self.adapters.hold(seq):
+        if seq.adapter_hash is None or self.adapters.hold(seq):
             self.scheduler.add(seq)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
@@ -120,6 +138,10 @@ class LLMEngine:
         self.adapters.check(request.adapter_hash, request.adapter)
 
     def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
+        if request_id in self._compiling:
+            seq, _ = self._compiling.pop(request_id)
+            return RequestOutput(request_id, finished=True, finish_reason=reason,
+                                 usage=usage_of(seq))
         loading = self.adapters.abort(request_id, reason) if self.adapters else None
         if loading is not None:
             return self._settled([loading])[0]
@@ -129,7 +151,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._num_loading() > 0
 
     def _num_loading(self) -> int:
-        return self.adapters.num_loading if self.adapters else 0
+        """Sequences not yet queued: their grammar compiling or their adapter loading."""
+        return len(self._compiling) + (self.adapters.num_loading if self.adapters else 0)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -142,7 +165,7 @@ class LLMEngine:
         return max(0, self.config.max_waiting - self.num_waiting())
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._admit_loaded() + self.scheduler.expire()
+        outputs = self._admit_compiled() + self._admit_loaded() + self.scheduler.expire()
         batch = self.scheduler.schedule()
         if not batch.requests:
             return self._settled(outputs)
@@ -160,8 +183,42 @@ class LLMEngine:
                                             for r in batch.requests])
         self.metrics.record_step(
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests if not r.is_decode),
-            generation_tokens=sum(isinstance(t, int) for t in sampled))
+            generation_tokens=sum(isinstance(t, int) for t in sampled.sampled))
         return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
+
+    # -- grammars -------------------------------------------------------------------------
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            from engine.grammar import Grammars  # NOTE: xgrammar loads on first use only
+
+            self._grammars = Grammars(self.config.model_dir, self.vocab_size,
+                                      self.eos_token_ids)
+        return self._grammars
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queues sequences whose grammar is compiled; ends those whose grammar failed."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished():
+            # NOTE: with nothing else to run, wait for a compile rather than spin.
+            futures.wait([f for _, f in self._compiling.values()], timeout=0.05,
+                         return_when=futures.FIRST_COMPLETED)
+        outputs = []
+        for request_id, (seq, compiling) in list(self._compiling.items()):
+            if not compiling.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                seq.grammar = self.grammars().state(compiling.result())
+            except Exception as exc:  # noqa: BLE001 - GrammarError: the client's schema
+                outputs.append(RequestOutput(
+                    request_id, finished=True, usage=usage_of(seq),
+                    error=f"response_format cannot be enforced: {exc}"[:500],
+                    error_code=protocol.ERROR_INVALID_REQUEST))
+                continue
+            self._enqueue(seq)
+        return outputs
 
     # -- adapters -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from engine.batch import SampleFailure, SchedulerOutput
+from engine.batch import RunnerOutput, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
@@ -84,8 +84,9 @@ class ModelRunner:
         self.lora.load_slot(slot, adapter)
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput) -> list[int | SampleFailure | None]:
-        """One forward pass; the sampled token of each request that samples, else None.
+    def run(self, batch: SchedulerOutput) -> RunnerOutput:
+        """One forward pass; the sampled token of each request that samples, else None,
+        and the logprobs of those that asked.
 
         A request whose row could not be sampled gets a ``SampleFailure``.
         """
@@ -97,7 +98,7 @@ class ModelRunner:
                 raise RuntimeError(f"LoRA slot {r.adapter_slot} does not hold adapter "
                                    f"{r.adapter_hash} for request {r.request_id}")
         if not reqs:
-            return []
+            return RunnerOutput([])
         # Decode rows (one query token) first, then prompt chunks; within each, rows of one
         # adapter next to each other, so LoRA runs one segment per adapter.
         order = sorted(range(len(reqs)),
@@ -144,14 +145,16 @@ class ModelRunner:
         hidden = self.model(torch.tensor(token_ids, device=device),
                             torch.tensor(positions, device=device), self.kv_caches, meta, lora)
         sampling = [i for i in range(len(reqs)) if reqs[i].sample]
+        out = RunnerOutput([None] * len(reqs))
         if not sampling:
-            return [None] * len(reqs)
+            return out
         rows = torch.tensor([last_row[i] for i in sampling], device=device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling rows, vocab]
-        tokens = sample_batch(logits, [reqs[i].sampling for i in sampling],
-                              [reqs[i].seed for i in sampling],
-                              [reqs[i].num_output_tokens for i in sampling])
-        out: list[int | SampleFailure | None] = [None] * len(reqs)
+        tokens, logprobs = sample_batch(logits, [reqs[i] for i in sampling])
         for i, token in zip(sampling, tokens, strict=True):
-            out[i] = token
+            out.sampled[i] = token
+        if any(lp is not None for lp in logprobs):
+            out.logprobs = [None] * len(reqs)
+            for i, lp in zip(sampling, logprobs, strict=True):
+                out.logprobs[i] = lp
         return out

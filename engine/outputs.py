@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from engine import protocol
+from engine.batch import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class RequestOutput:
     request_id: str
     text_delta: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
     finished: bool = False
     finish_reason: str | None = None  # protocol.FINISH_* or None while running / on error
     usage: Usage | None = None  # set on the final output

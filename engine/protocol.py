@@ -76,6 +76,16 @@ class SamplingSpec:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = field(default_factory=dict)  # token id (as text) -> bias
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    # None: no logprobs; k >= 0: the sampled token's and the k most likely (at most 20).
+    logprobs: int | None = None
+    # Structured output: {"type": "json_object"} or {"type": "json_schema", "schema": {...}}.
+    grammar: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -115,7 +125,9 @@ class EngineRequest:
 # Event types on ``events_stream(request_id)``; every entry carries a ``seq``
 # that starts at 0 and grows by one, so a reader can tell a gap from a delay.
 EV_ACCEPTED = "accepted"  # data: {"engine_id"}
-EV_DELTA = "delta"  # data: {"text", "token_ids"}
+# data: {"text", "token_ids"}, and with logprobs asked for, "logprobs": one
+# [logprob, [[token_id, logprob], ...]] per token (the sampled token's, then the top k).
+EV_DELTA = "delta"
 EV_FINISH = "finish"  # data: {"finish_reason", "usage": {...}}; always the last event
 EV_ERROR = "error"  # data: {"code", "message", "usage"}; always the last event
 

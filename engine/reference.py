@@ -23,7 +23,7 @@ from engine import protocol
 from engine.config import eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput, Usage
-from engine.sampler import sample
+from engine.sampler import sample, shape_logits, token_logprobs
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,11 @@ class ReferenceEngine:
 
     def add_request(self, request: protocol.EngineRequest) -> None:
         params = SamplingParams.from_spec(request.sampling)
+        params.min_tokens_masked = frozenset(self.eos_token_ids | set(params.stop_token_ids))
         prompt = request.prompt_token_ids
+        if request.sampling.grammar is not None:
+            raise ValueError("response_format cannot be enforced: the reference engine "
+                             "serves no grammars")
         if not prompt:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
@@ -136,22 +140,34 @@ class ReferenceEngine:
                          past_key_values=active.past_key_values, logits_to_keep=1)
         active.past_key_values = out.past_key_values
         logits = out.logits[0, -1].float()  # [vocab]
-        token = sample(logits, active.params, active.seed, len(active.output_ids))
+        params = active.params
+        prompt = active.request.prompt_token_ids
+        shaped = logits.clone()
+        if params.shapes_logits:
+            shape_logits(shaped, params, prompt + active.output_ids, len(prompt))
+        token = sample(shaped, params, active.seed, len(active.output_ids))
+        hidden = token in params.stop_token_ids or (token in self.eos_token_ids
+                                                     and not params.ignore_eos)
+        logprobs = None if params.logprobs is None or hidden else \
+            [token_logprobs(logits, token, params.logprobs)]
         if active.first_token_at is None:
             active.first_token_at = time.monotonic()
         active.output_ids.append(token)
-        text = active.detokenizer.add_token(token)
+        text = "" if token in params.stop_token_ids else active.detokenizer.add_token(token)
         reason = self._finish_reason(active, token)
         if reason is None:
-            return RequestOutput(active.request.request_id, text_delta=text, token_ids=[token])
-        return self._final(active, reason, text=text + active.detokenizer.flush(),
-                           token_ids=[token])
+            return RequestOutput(active.request.request_id, text_delta=text, token_ids=[token],
+                                 logprobs=logprobs)
+        final = self._final(active, reason, text=text + active.detokenizer.flush(),
+                            token_ids=[token])
+        final.logprobs = logprobs
+        return final
 
     def _finish_reason(self, active: _Active, token: int) -> str | None:
         params = active.params
         if token in self.eos_token_ids and not params.ignore_eos:
             return protocol.FINISH_STOP
-        if active.detokenizer.stopped:
+        if token in params.stop_token_ids or active.detokenizer.stopped:
             return protocol.FINISH_STOP
         if len(active.output_ids) >= params.max_tokens:
             return protocol.FINISH_LENGTH

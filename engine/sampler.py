@@ -1,4 +1,5 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Turning logits into tokens: logit bias, penalties, grammar masks, then greedy or
+temperature/top-k/top-p, with per-request seeds; logprobs of what was sampled.
 
 The n-th token of a request is drawn from a random stream keyed by (seed, n) alone,
 so a seeded request samples the same tokens whatever else shares its batch, and a
@@ -13,13 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.batch import SampleFailure
+from engine.batch import SampleFailure, ScheduledRequest, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _NOT_FINITE = "the model produced logits that are not finite (NaN or infinite)"
+_NOTHING_LEFT = "no token is allowed here (the grammar and min_tokens masked them all)"
 
 
 def stream_seed(seed: int, step: int) -> int:
@@ -30,13 +32,50 @@ def stream_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def shape_logits(logits: torch.Tensor, params: SamplingParams, history: Sequence[int],
+                 num_prompt_tokens: int) -> torch.Tensor:
+    """``logits`` [vocab] (float32, modified in place) after logit_bias, min_tokens and the
+    penalties; ``history`` is the prompt followed by the output so far."""
+    vocab = logits.numel()
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < vocab]
+        logits[ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype)
+    if len(history) - num_prompt_tokens < params.min_tokens:
+        masked = [t for t in params.min_tokens_masked if t < vocab]
+        logits[masked] = float("-inf")
+    if params.presence_penalty or params.frequency_penalty:
+        output = torch.tensor(history[num_prompt_tokens:], dtype=torch.long)
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.repetition_penalty != 1.0 and history:
+        seen = torch.unique(torch.tensor(history, dtype=torch.long))
+        seen = seen[seen < vocab]
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    return logits
+
+
+def token_logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The sampled token's log-probability and the ``k`` most likely under the model's own
+    distribution: the log-softmax of ``raw`` [vocab], before temperature, penalties, bias,
+    top-k/top-p or a grammar shaped it."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [vocab]
+    top = torch.topk(logprobs, k) if k else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
+    return TokenLogprobs(logprob=float(logprobs[token]), top=pairs)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
     """One token id from ``logits`` [vocab]: argmax when greedy, else temperature/top-k/top-p.
 
-    Raises ValueError when the logits hold a NaN or an infinity.
+    Tokens at -inf (masked by a grammar or min_tokens) are never drawn. Raises ValueError
+    when the logits hold a NaN or +inf, or no token is left.
     """
-    if not bool(torch.isfinite(logits).all()):
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         raise ValueError(_NOT_FINITE)
+    if bool(torch.isneginf(logits).all()):
+        raise ValueError(_NOTHING_LEFT)
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits.float()
@@ -58,25 +97,44 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                 steps: Sequence[int]) -> list[int | SampleFailure]:
-    """One token per row of ``logits`` [rows, vocab]; greedy rows in one argmax.
+def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest]
+                 ) -> tuple[list[int | SampleFailure], list[TokenLogprobs | None]]:
+    """One token per row of ``logits`` [rows, vocab], and its logprobs where asked for.
 
-    A row that cannot be sampled gives a ``SampleFailure`` and the other rows their tokens:
-    rows of one batch belong to different tenants.
+    Rows that only need argmax take it in one call. A row that cannot be sampled gives a
+    ``SampleFailure`` and the other rows their tokens: rows of one batch belong to
+    different tenants.
     """
     finite = torch.isfinite(logits).all(dim=-1).tolist()  # [rows]
+    raw = logits
+    shaped = [i for i, r in enumerate(rows) if r.sampling.shapes_logits or r.grammar is not None]
+    if shaped:
+        logits = logits.float().clone()
+        for i in shaped:
+            r = rows[i]
+            if r.sampling.shapes_logits:
+                shape_logits(logits[i], r.sampling, r.history, r.num_prompt_tokens)
+        if any(r.grammar is not None for r in rows):
+            # NOTE: imported here: an engine that is never asked for a grammar never loads
+            # xgrammar.
+            from engine.grammar import apply_grammars
+
+            apply_grammars(logits, [r.grammar for r in rows])
     greedy = torch.argmax(logits, dim=-1).tolist()  # [rows]
     out: list[int | SampleFailure] = []
-    for i, p in enumerate(params):
+    for i, r in enumerate(rows):
         if not finite[i]:
             out.append(SampleFailure(_NOT_FINITE))
-        elif p.greedy:
+        elif r.sampling.greedy and i not in shaped:
             out.append(greedy[i])
         else:
             try:
-                out.append(sample(logits[i], p, seeds[i], steps[i]))
+                out.append(sample(logits[i], r.sampling, r.seed, r.num_output_tokens))
             except Exception as exc:  # noqa: BLE001 - fails this row's request, not the batch
                 log.exception("sampling a row failed")
                 out.append(SampleFailure(f"sampling failed: {type(exc).__name__}: {exc}"[:500]))
-    return out
+    logprobs: list[TokenLogprobs | None] = [
+        token_logprobs(raw[i], token, r.sampling.logprobs)
+        if r.sampling.logprobs is not None and isinstance(token, int) else None
+        for i, (r, token) in enumerate(zip(rows, out, strict=True))]
+    return out, logprobs

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from engine import protocol
-from engine.batch import SampleFailure, ScheduledRequest, SchedulerOutput
+from engine.batch import RunnerOutput, SampleFailure, ScheduledRequest, SchedulerOutput
 from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.slots import AdapterSlots
@@ -153,12 +153,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def postprocess(self, batch: SchedulerOutput,
-                    sampled: list[int | SampleFailure | None]) -> list[RequestOutput]:
+    def postprocess(self, batch: SchedulerOutput, ran: RunnerOutput) -> list[RequestOutput]:
         """Advances every scheduled sequence and returns what each produced."""
         now = time.monotonic()
         outputs = []
-        for req, token in zip(batch.requests, sampled, strict=True):
+        for index, (req, token) in enumerate(zip(batch.requests, ran.sampled, strict=True)):
             seq = self.sequences.get(req.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -172,20 +171,35 @@ class Scheduler:
             if not req.sample or token is None:
                 continue
             seq.token_ids.append(token)
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                # NOTE: the mask allowed only tokens the grammar accepts; this is a bug.
+                outputs.append(self._finish(seq, None, error="the grammar refused the sampled "
+                                            "token"))
+                continue
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 self.metrics.ttft.observe(now - seq.arrival)
             else:
                 self.metrics.itl.observe(now - seq.last_token_at)
             seq.last_token_at = now
-            text = seq.detokenizer.add_token(token) if seq.detokenizer else ""
+            stop_token = token in seq.params.stop_token_ids
+            # NOTE: a stop token id ends the output like EOS: counted, not in the text, and
+            # neither has logprobs (the client sees no token for them).
+            text = seq.detokenizer.add_token(token) if seq.detokenizer and not stop_token \
+                else ""
+            hidden = stop_token or (token in self.eos_token_ids and not seq.params.ignore_eos)
+            logprobs = None if hidden else ran.logprobs_of(index)
             reason = self._stop_reason(seq, token)
             if reason is None:
-                outputs.append(RequestOutput(seq.request_id, text_delta=text, token_ids=[token]))
+                outputs.append(RequestOutput(
+                    seq.request_id, text_delta=text, token_ids=[token],
+                    logprobs=None if logprobs is None else [logprobs]))
             else:
                 if seq.detokenizer:
                     text += seq.detokenizer.flush()
-                outputs.append(self._finish(seq, reason, text=text, token_ids=[token]))
+                out = self._finish(seq, reason, text=text, token_ids=[token])
+                out.logprobs = None if logprobs is None else [logprobs]
+                outputs.append(out)
         return outputs
 
     # -- helpers --------------------------------------------------------------------------
@@ -196,7 +210,9 @@ class Scheduler:
             request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
             block_table=self.kv.block_table(seq), sample=start + n == seq.num_tokens,
             sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
-            adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash)
+            adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash,
+            history=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+            grammar=seq.grammar)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""
@@ -216,6 +232,10 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.eos_token_ids and not seq.params.ignore_eos:
+            return protocol.FINISH_STOP
+        if token in seq.params.stop_token_ids:
+            return protocol.FINISH_STOP
+        if seq.grammar is not None and seq.grammar.is_terminated:
             return protocol.FINISH_STOP
         if seq.detokenizer is not None and seq.detokenizer.stopped:
             return protocol.FINISH_STOP

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -31,6 +32,9 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     adapter_hash: str | None = None  # LoRA adapter (content hash), None: the base model
     adapter_slot: int = -1  # its slot while running, else -1
+    # Structured output: its grammar state (engine/grammar.py), advanced with each token.
+    # NOTE: preemption recomputes the KV of every token kept, so the state stays valid.
+    grammar: Any = None
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in the cache; the next step runs token_ids[num_computed_tokens:].
     num_computed_tokens: int = 0

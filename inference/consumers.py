@@ -36,7 +36,7 @@ from core.websockets import (
     stop_watching,
     watch_access,
 )
-from inference import params, pipeline, requestlog, service
+from inference import params, pipeline, requestlog, responses, service
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
 
@@ -141,7 +141,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as
             # often as in the stream): the engine is stopped, its usage learnt and the
             # request logged before the client is told "cancelled".
-            async with aclosing(trace.observe(service.stream_chunks(
+            async with aclosing(trace.observe(responses.stream_chunks(
                     started.prepared, started.dispatch, started.admission))) as chunks:
                 async for chunk in chunks:
                     await self._send({"type": "chunk", "id": client_id, "data": chunk})

@@ -25,8 +25,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from inference.errors import InvalidRequest
+from inference.structured import check_json_schema
 
 MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat; completions take as many (vLLM allows 20 too)
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+MAX_STOP_TOKEN_IDS = 64
 MAX_CLIENT_ID = 128  # a websocket request's own id
 MAX_NESTING = 32  # JSON arrays/objects inside one another; a JSON schema needs a few levels
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -112,6 +116,37 @@ class ChatMessage(_Strict):
         return "".join(_plain_text(part["text"]) for part in value)
 
 
+def _schema(value: Any) -> Any:
+    check_json_schema(value)
+    return value
+
+
+class JsonSchema(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    # NOTE: checked here for what the engine's grammar can enforce (inference/structured.py).
+    schema_: Annotated[dict[str, Any], AfterValidator(_schema)] | None = Field(
+        default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @field_validator("json_schema", mode="after")
+    @classmethod
+    def _only_with_its_type(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise PydanticCustomError("invalid_value", "is only allowed with type 'json_schema'")
+        return value
+
+    def model_post_init(self, context: Any) -> None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValidationError.from_exception_data("ResponseFormat", [{
+                "type": "missing", "loc": ("json_schema",), "input": None}])
+
+
 def _metadata(value: Any) -> Any:
     if value is not None and not (
             isinstance(value, dict) and len(value) <= 16
@@ -141,6 +176,24 @@ def _stop(value: Any) -> list[str]:
     return [_plain_text(s) for s in value]
 
 
+def _logit_bias(value: dict[str, Any]) -> dict[str, float]:
+    if len(value) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError("invalid_value", "takes at most {most} tokens",
+                                  {"most": MAX_LOGIT_BIAS})
+    for key, bias in value.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 9:
+            raise PydanticCustomError("invalid_value", "keys must be token ids, got {key!r}",
+                                      {"key": key[:20]})
+        if isinstance(bias, bool) or not isinstance(bias, int | float) \
+                or not -100 <= bias <= 100:
+            raise PydanticCustomError("invalid_value",
+                                      "values must be numbers from -100 to 100")
+    return {str(int(k)): float(v) for k, v in value.items()}
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
 class CommonBody(_Strict):
     model: NonEmptyText
     max_tokens: PositiveInt | None = None
@@ -155,13 +208,16 @@ class CommonBody(_Strict):
     store: bool | None = None
     metadata: Annotated[Any, AfterValidator(_metadata)] = None
     n: Annotated[int, _only((1,), "only n=1 is supported")] | None = None
-    logprobs: Annotated[bool | int, _only((False, 0), "logprobs are not supported")] | None \
-        = None
-    presence_penalty: Annotated[float, _only((0,), "presence_penalty is not supported")] \
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # Extensions vLLM serves under the same names.
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0, allow_inf_nan=False)] \
         | None = None
-    frequency_penalty: Annotated[float, _only((0,), "frequency_penalty is not supported")] \
-        | None = None
-    logit_bias: Annotated[dict[str, Any], _empty("logit_bias is not supported")] | None = None
+    logit_bias: Annotated[dict[str, Any], AfterValidator(_logit_bias)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
     @field_validator("stream_options", mode="after")
     @classmethod
@@ -173,6 +229,8 @@ class CommonBody(_Strict):
 
 class CompletionBody(CommonBody):
     prompt: Any
+    # The sampled token's logprob and this many of the most likely at each position.
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: Annotated[bool, _only((False,), "echo is not supported")] | None = None
     best_of: Annotated[int, _only((1,), "only best_of=1 is supported")] | None = None
     suffix: Annotated[Any, _only((), "suffix is not supported")] = None
@@ -200,12 +258,20 @@ class CompletionBody(CommonBody):
 class ChatCompletionBody(CommonBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    top_logprobs: Annotated[Any, _only((), "top_logprobs are not supported")] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     parallel_tool_calls: bool | None = None
     tools: Annotated[list[Any], _empty("tools are not supported")] | None = None
     tool_choice: Annotated[Any, _only(("none",), "tool_choice is not supported")] = None
-    response_format: Annotated[Any, _only(({"type": "text"},), "only response_format "
-                                          "{'type': 'text'} is supported")] = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("top_logprobs", mode="after")
+    @classmethod
+    def _top_needs_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("invalid_value", "is only allowed when 'logprobs' is "
+                                      "true")
+        return value
 
 
 ClientId = Annotated[Text, Field(min_length=1, max_length=MAX_CLIENT_ID)]
@@ -250,6 +316,17 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client set, for error messages
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    # Structured output, as the engine takes it: {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}}; None: free text.
+    grammar: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -303,7 +380,8 @@ _TYPE_NAMES = {"model_type": "an object", "dict_type": "an object", "list_type":
 
 
 _ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(ChatMessage) | _fields(StreamOptions)
-               | _fields(SocketRequest))
+               | _fields(SocketRequest) | _fields(ResponseFormat) | _fields(JsonSchema)
+               | {"schema"})
 
 
 def _invalid(error: ValidationError) -> InvalidRequest:
@@ -347,20 +425,28 @@ def _validate(model: type[CommonBody], body: Any) -> CommonBody:
         raise _invalid(exc) from None
 
 
-def _params(body: CommonBody, max_tokens: int | None, max_tokens_param: str) -> GenerationParams:
+def _params(body: CommonBody, max_tokens: int | None, max_tokens_param: str,
+            logprobs: int | None) -> GenerationParams:
     return GenerationParams(
         model=body.model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         top_k=body.top_k or 0, stop=list(body.stop),
         seed=body.seed, stream=bool(body.stream),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if body.repetition_penalty is None
+        else float(body.repetition_penalty),
+        logit_bias=dict(body.logit_bias or {}), min_tokens=body.min_tokens or 0,
+        ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []),
+        logprobs=logprobs)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
     parsed = _validate(CompletionBody, body)
-    return CompletionRequest(params=_params(parsed, parsed.max_tokens, "max_tokens"),
-                             prompt=parsed.prompt)
+    return CompletionRequest(params=_params(parsed, parsed.max_tokens, "max_tokens",
+                                            parsed.logprobs), prompt=parsed.prompt)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -373,7 +459,23 @@ def parse_chat(body: Any) -> ChatRequest:
     # NOTE: the demo chat templates know system/user/assistant; developer reads as system.
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": m.content or ""} for m in parsed.messages]
-    return ChatRequest(params=_params(parsed, max_tokens, name), messages=messages)
+    logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
+    params = _params(parsed, max_tokens, name, logprobs)
+    params.grammar = _grammar(parsed.response_format)
+    return ChatRequest(params=params, messages=messages)
+
+
+def _grammar(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"type": "json_object"}
+    if response_format.json_schema is not None:
+        schema = response_format.json_schema.schema_
+        # NOTE: OpenAI lets the schema out; any JSON object then matches, as json_object.
+        return {"type": "json_object"} if schema is None else \
+            {"type": "json_schema", "schema": schema}
+    return None
 
 
 def parse(kind: str, body: Any) -> ChatRequest | CompletionRequest:

@@ -1,7 +1,7 @@
 """The one path a request takes to the engine, whatever it came in on.
 
 authenticate → (the entry point's trace) → precheck → prepare → admit → dispatch, then the
-entry point relays ``service.stream_chunks`` or ``service.collect``, whose own cleanup
+entry point relays ``responses.stream_chunks`` or ``responses.collect``, whose own cleanup
 (``service.close``) settles the admission. The JSON view, SSE and the websocket call
 :func:`start`; the Batch API will too. A step that refuses gives back what the steps
 before it took.

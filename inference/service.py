@@ -14,7 +14,6 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,11 +38,8 @@ from inference.dispatch import FINAL_WAIT_S, Dispatch
 from inference.errors import (
     AdapterNotReady,
     ContextLengthExceeded,
-    DeadlineExceeded,
-    EngineFailed,
     InvalidRequest,
     ModelNotFound,
-    NoEngineAvailable,
     ServiceUnavailable,
 )
 from tenants.facade import Principal
@@ -191,14 +187,13 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
             f"requested {len(prompt_ids) + params.max_tokens} tokens "
             f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).",
             param=field)
+    _check_token_controls(params, model)
     created = int(time.time())
     engine_request = protocol.EngineRequest(
         request_id=completion_id(kind),
         model=model.name,
         prompt_token_ids=prompt_ids,
-        sampling=protocol.SamplingSpec(
-            max_tokens=params.max_tokens, temperature=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=params.stop),
+        sampling=sampling_spec(params),
         tenant_id=str(principal.tenant_id),
         api_key_id=principal.api_key_id,
         cache_salt=cache_salt(tenant_id=principal.tenant_id, model=model.name,
@@ -210,6 +205,32 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
     )
     return Prepared(kind=kind, created=created, model=model, adapter=adapter, params=params,
                     engine_request=engine_request, principal=principal)
+
+
+def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
+    return protocol.SamplingSpec(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, seed=params.seed, stop=params.stop,
+        ignore_eos=params.ignore_eos, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
+        logprobs=params.logprobs, grammar=params.grammar)
+
+
+def _check_token_controls(params: p.GenerationParams, model: ServedModel) -> None:
+    """Token ids the client names must exist; min_tokens must fit in max_tokens."""
+    vocab = model.vocab_size()
+    if any(int(t) >= vocab for t in params.logit_bias):
+        raise InvalidRequest(f"token ids in 'logit_bias' must be below {vocab}",
+                             param="logit_bias", code="invalid_value")
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise InvalidRequest(f"token ids in 'stop_token_ids' must be below {vocab}",
+                             param="stop_token_ids", code="invalid_value")
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest(f"'min_tokens' ({params.min_tokens}) must not exceed "
+                             f"'{params.max_tokens_param}' ({params.max_tokens})",
+                             param="min_tokens", code="invalid_value")
 
 
 async def precheck(principal: Principal) -> quota.RateLimitState:
@@ -328,125 +349,8 @@ async def open_dispatch(prepared: Prepared) -> Dispatch:
     return dispatch
 
 
-def _usage(data: dict[str, Any]) -> dict[str, Any]:
-    prompt = int(data.get("prompt_tokens", 0))
-    completion = int(data.get("completion_tokens", 0))
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(data.get("cached_tokens", 0))},
-    }
-
-
-def _raise_for_final(event: protocol.Event) -> None:
-    """The engine's last word as the client's error. The wire's error taxonomy: a request
-    the engine refused as invalid (one that cannot fit its KV cache, an adapter that cannot
-    load) is the client's 400; an engine stopped on purpose before it finished is a 503 to
-    retry (another engine, or this one restarted, will serve it), as is a request the
-    engine stopped because it could not reach Redis; the engine's own failure, or its
-    death, is 502. 429 is admission's alone, 500 the web tier's own fault."""
-    if event.type == protocol.EV_ERROR:
-        code = event.data.get("code")
-        if code == protocol.ERROR_INVALID_REQUEST:
-            message = str(event.data.get("message") or "the engine refused this request")
-            raise InvalidRequest(message[:500], code="invalid_request")
-        if code == protocol.ERROR_ENGINE_SHUTDOWN:
-            raise NoEngineAvailable("the engine serving this request was stopped before it "
-                                    "finished; retry", headers={"retry-after": "1"})
-        if code == protocol.ERROR_EVENTS_UNAVAILABLE:
-            raise ServiceUnavailable("the engine stopped this request: it could not reach "
-                                     "Redis to send its output; retry shortly")
-        raise EngineFailed(f"the engine failed this request ({code})")
-    if event.data.get("finish_reason") == protocol.FINISH_DEADLINE:
-        raise DeadlineExceeded("the request did not finish before its deadline")
-    if event.data.get("finish_reason") == protocol.FINISH_CANCELLED:
-        raise EngineFailed("the request was cancelled on the server")
-
-
-class _ChunkWriter:
-    def __init__(self, prepared: Prepared) -> None:
-        self.prepared = prepared
-        chat = prepared.kind == "chat"
-        self.object = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(self, *, text: str | None = None, role: bool = False,
-              finish_reason: str | None = None) -> dict[str, Any]:
-        if self.prepared.kind == "chat":
-            delta: dict[str, Any] = {}
-            if role:
-                delta = {"role": "assistant", "content": ""}
-            elif text is not None:
-                delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"text": text or "", "index": 0, "logprobs": None,
-                      "finish_reason": finish_reason}
-        out = {"id": self.prepared.response_id, "object": self.object,
-               "created": self.prepared.created, "model": self.prepared.model_id,
-               "system_fingerprint": None, "choices": [choice]}
-        if self.prepared.params.include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.prepared.response_id, "object": self.object,
-                "created": self.prepared.created, "model": self.prepared.model_id,
-                "system_fingerprint": None, "choices": [], "usage": usage}
-
-
-async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
-                        admission: quota.Admission | None = None
-                        ) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI stream chunks; cancels the engine's work if the consumer goes away."""
-    writer = _ChunkWriter(prepared)
-    try:
-        if prepared.kind == "chat":
-            yield writer.chunk(role=True)
-        async for event in dispatch.events():
-            if event.type == protocol.EV_DELTA and event.data.get("text"):
-                yield writer.chunk(text=event.data["text"])
-            elif event.is_final:
-                _raise_for_final(event)
-                yield writer.chunk(finish_reason=event.data["finish_reason"],
-                                   text="" if prepared.kind == "completion" else None)
-                if prepared.params.include_usage:
-                    yield writer.usage_chunk(_usage(event.data.get("usage") or {}))
-    finally:
-        await close(prepared, dispatch, admission)
-
-
 async def abandon(prepared: Prepared, dispatch: Dispatch,
                   admission: quota.Admission | None) -> None:
     """A dispatched request whose response will never be read: cleaned up as a stream's
     own cleanup would."""
     await close(prepared, dispatch, admission)
-
-
-async def collect(prepared: Prepared, dispatch: Dispatch,
-                  admission: quota.Admission | None = None) -> dict[str, Any]:
-    """The whole (non-streaming) response object."""
-    parts: list[str] = []
-    try:
-        async for event in dispatch.events():
-            if event.type == protocol.EV_DELTA:
-                parts.append(event.data.get("text", ""))
-            elif event.is_final:
-                _raise_for_final(event)
-                final = event
-    finally:
-        await close(prepared, dispatch, admission)
-    text = "".join(parts)
-    reason = final.data["finish_reason"]
-    if prepared.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                          "refusal": None},
-                  "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": prepared.response_id, "object": obj, "created": prepared.created,
-            "model": prepared.model_id, "system_fingerprint": None, "choices": [choice],
-            "usage": _usage(final.data.get("usage") or {})}

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from inference import pipeline, requestlog, service
+from inference import pipeline, requestlog, responses, service
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
 
@@ -139,9 +139,9 @@ async def _serve(request: HttpRequest, kind: service.Kind,
                     trace.submit()
 
             return EventStream(
-                _sse(trace.observe(service.stream_chunks(prepared, dispatch, admission))),
+                _sse(trace.observe(responses.stream_chunks(prepared, dispatch, admission))),
                 on_unsent=unsent, headers=started.headers)
-        result = await service.collect(prepared, dispatch, admission)
+        result = await responses.collect(prepared, dispatch, admission)
         trace.completed(result)
         return JsonResponse(result, headers=started.headers)
     except ApiError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from engine.batch import SchedulerOutput
+from engine.batch import RunnerOutput, SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -34,9 +34,10 @@ def scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 
                      max_model_len=max_model_len, enable_chunked_prefill=chunked)
 
 
-def fake_tokens(batch: SchedulerOutput) -> list[int | None]:
+def fake_tokens(batch: SchedulerOutput) -> RunnerOutput:
     """What a runner would return: a token for every request that samples."""
-    return [100 + r.num_output_tokens if r.sample else None for r in batch.requests]
+    return RunnerOutput([100 + r.num_output_tokens if r.sample else None
+                         for r in batch.requests])
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> dict[str, list]:

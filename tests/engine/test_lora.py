@@ -222,7 +222,7 @@ def test_the_runner_refuses_a_row_whose_slot_holds_another_adapter(tiny_model_di
     eng.adapters.cache.load_now(adapters["qv-r16"][1])
     eng.adapters.fill_slots(eng.runner, [row])  # what the engine does before every step
     assert eng.runner.adapter_in_slot(0) == adapters["qv-r16"][1]
-    assert eng.runner.run(SchedulerOutput([row]))[0] is not None
+    assert eng.runner.run(SchedulerOutput([row])).sampled[0] is not None
 
 
 def test_a_slot_whose_copy_failed_part_way_names_no_adapter(tiny_model_dir, store_root,

@@ -6,7 +6,7 @@ import pytest
 
 from engine import protocol
 from inference.errors import EngineFailed, InvalidRequest, NoEngineAvailable
-from inference.service import _raise_for_final
+from inference.responses import raise_for_final as _raise_for_final
 
 
 def _error(code: str, message: str = "") -> protocol.Event:

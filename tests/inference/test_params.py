@@ -30,7 +30,18 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"n": 2}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": "high"}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"bogus": 1}, "bogus"),
 ])
@@ -193,9 +204,24 @@ def test_a_body_nested_deeper_than_the_limit_is_refused_before_validation():
         parse_chat({**CHAT, "tools": very_deep})
 
 
-@pytest.mark.parametrize("value", [False, 0])
-def test_logprobs_off_is_accepted(value):
-    assert parse_chat({**CHAT, "logprobs": value}).params.model == "m"
+def test_logprobs_off_is_accepted_and_asks_for_none():
+    assert parse_chat({**CHAT, "logprobs": False}).params.logprobs is None
+    assert parse_chat({**CHAT, "logprobs": True}).params.logprobs == 0
+    assert parse_chat({**CHAT, "logprobs": True, "top_logprobs": 5}).params.logprobs == 5
+    completion = {"model": "m", "prompt": "x"}
+    assert parse_completion({**completion, "logprobs": 0}).params.logprobs == 0
+    assert parse_completion(completion).params.logprobs is None
+    with pytest.raises(InvalidRequest):
+        parse_completion({**completion, "logprobs": True})
+
+
+def test_sampling_controls_are_parsed():
+    p = parse_chat({**CHAT, "presence_penalty": -0.5, "frequency_penalty": 1,
+                    "repetition_penalty": 1.2, "logit_bias": {"0012": 5, "7": -100},
+                    "min_tokens": 3, "ignore_eos": True, "stop_token_ids": [2, 9]}).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
+            p.min_tokens, p.ignore_eos, p.stop_token_ids) == \
+        (-0.5, 1.0, 1.2, {"12": 5.0, "7": -100.0}, 3, True, [2, 9])
 
 
 JSON = st.recursive(

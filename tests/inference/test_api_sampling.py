@@ -1,0 +1,134 @@
+"""Logprobs, penalties, logit_bias and the token controls through the official `openai` client,
+against a live server and a real engine on the tiny checkpoint, checked against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from openai import OpenAI
+
+
+@pytest.fixture
+def client(api_server, tenant_key) -> OpenAI:
+    return OpenAI(base_url=f"{api_server}/v1", api_key=tenant_key.key, max_retries=0,
+                  timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def _hf_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)  # [outputs, vocab]
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
+
+
+def _chat_ids(served_model: str) -> list[int]:
+    from core.served_models import served_models
+
+    return served_models()[served_model].encode_chat(MESSAGES)
+
+
+def test_chat_logprobs_are_the_models_log_softmax(client, served_model, engine_worker, hf_model):
+    from core.served_models import served_models
+    from inference.logprobs import TokenTexts
+
+    model = served_models()[served_model]
+    res = client.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=8,
+                                         temperature=0, logprobs=True, top_logprobs=4,
+                                         extra_body={"ignore_eos": True})
+    content = res.choices[0].logprobs.content
+    assert len(content) == res.usage.completion_tokens == 8
+    # Each entry's bytes name its token: the tokens decode to the answer's text.
+    texts = TokenTexts(model.tokenizer)
+    by_bytes = {texts.get(i)[1]: i for i in range(model.vocab_size())}
+    output_ids = [by_bytes[bytes(e.bytes)] for e in content]
+    assert model.tokenizer.decode(output_ids) == res.choices[0].message.content
+    expected = _hf_logprobs(hf_model, _chat_ids(served_model), output_ids)
+    for i, entry in enumerate(content):
+        assert abs(entry.logprob - float(expected[i].max())) < 1e-3  # greedy: the top one
+        assert len(entry.top_logprobs) == 4
+        top = torch.topk(expected[i], 4).values.tolist()
+        assert all(abs(t.logprob - e) < 1e-3 for t, e in zip(entry.top_logprobs, top, strict=True))
+        assert entry.top_logprobs[0].token == entry.token
+
+
+def test_streamed_chat_logprobs_equal_the_whole_answers(client, served_model, engine_worker):
+    kwargs = dict(model=served_model, messages=MESSAGES, max_tokens=6, temperature=0,
+                  logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                for choice in chunk.choices if choice.logprobs
+                for entry in choice.logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == \
+        [(e.token, round(e.logprob, 5)) for e in whole]
+
+
+def test_completion_logprobs_use_the_legacy_shape(client, served_model, engine_worker):
+    res = client.completions.create(model=served_model, prompt="The quick brown fox",
+                                    max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == res.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(tl, abs=1e-5)
+               for top, tl in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    plain = client.completions.create(model=served_model, prompt="The quick brown fox",
+                                      max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == res.choices[0].text
+
+
+def test_logit_bias_and_penalties_change_the_output(client, served_model, engine_worker):
+    from core.served_models import served_models
+
+    tokenizer = served_models()[served_model].tokenizer
+    token = tokenizer.encode(" sea", add_special_tokens=False).ids[0]
+    forced = client.completions.create(model=served_model, prompt="Once", max_tokens=4,
+                                       temperature=0, logit_bias={str(token): 100})
+    assert tokenizer.encode(forced.choices[0].text, add_special_tokens=False).ids == [token] * 4
+    kwargs = dict(model=served_model, prompt="the the the", max_tokens=24, temperature=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    penalised = client.completions.create(frequency_penalty=2, presence_penalty=2,
+                                          **kwargs).choices[0].text
+    assert penalised != plain
+    assert len(set(penalised.split())) >= len(set(plain.split()))
+
+
+def test_stop_token_ids_and_min_tokens(client, served_model, engine_worker):
+    from core.served_models import served_models
+
+    tokenizer = served_models()[served_model].tokenizer
+    token = tokenizer.encode(" sea", add_special_tokens=False).ids[0]
+    res = client.completions.create(model=served_model, prompt="Once", max_tokens=10,
+                                    temperature=0, logit_bias={str(token): 100},
+                                    extra_body={"stop_token_ids": [token]})
+    assert (res.choices[0].text, res.choices[0].finish_reason) == ("", "stop")
+    assert res.usage.completion_tokens == 1
+    eos = tokenizer.token_to_id(served_models()[served_model].eos_token)
+    res = client.completions.create(model=served_model, prompt="Once", max_tokens=10,
+                                    temperature=0, logit_bias={str(eos): 100},
+                                    extra_body={"min_tokens": 3})
+    assert (res.usage.completion_tokens, res.choices[0].finish_reason) == (4, "stop")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
+    ({"extra_body": {"min_tokens": 50}}, "min_tokens"),
+])
+def test_token_ids_past_the_vocabulary_are_refused(client, served_model, engine_worker, extra,
+                                                   param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=served_model, prompt="Once", max_tokens=10, **extra)
+    assert err.value.body["param"] == param
