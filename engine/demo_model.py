@@ -24,13 +24,16 @@ from typing import TYPE_CHECKING
 
 from engine import demo_corpus
 from engine.demo_spec import ModelSpec
+from engine.demo_template import CHAT_TEMPLATE, TOOL_PARSER
 
 if TYPE_CHECKING:
     import torch
     from tokenizers import Tokenizer
 
-# Bump whenever the builder's output changes: it is part of the cache key.
-BUILDER_VERSION = 2
+# Bump whenever the builder's output changes (weights, tokenizer, or the files beside them:
+# the chat template lives in tokenizer_config.json): it is part of the cache key.
+# 3: the chat template renders tools, tool calls and tool responses (Hermes format).
+BUILDER_VERSION = 3
 DEMO_SEED = 0
 # The BPE trainer stops earlier (about 1,500) once the corpus runs out of merges.
 VOCAB_TARGET = 1536
@@ -38,19 +41,6 @@ VOCAB_TARGET = 1536
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 END_OF_TURN = "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>", END_OF_TURN]
-
-# Roles are written as their special token, then a newline, the content and <|end|>.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
 
 SIZES: dict[str, ModelSpec] = {
     "tiny": ModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -89,7 +79,8 @@ def build_model(out_dir: Path, *, size: str = "tiny", seed: int = 0) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
         "pad_token": EOS, "add_bos_token": True, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.max_position_embeddings, "chat_template": CHAT_TEMPLATE})
+        "model_max_length": spec.max_position_embeddings, "chat_template": CHAT_TEMPLATE,
+        "tool_parser": TOOL_PARSER})
     _write_json(out_dir / "special_tokens_map.json",
                 {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS})
     for path in out_dir.iterdir():
@@ -195,8 +186,10 @@ def atrium_home(home: Path | str | None = None) -> Path:
 
 def demo_model_dir(home: Path | str | None = None, *, seed: int = DEMO_SEED) -> Path:
     """Where the demo model for this builder version, seed and spec lives (built or not)."""
-    key = json.dumps({"builder": BUILDER_VERSION, "seed": seed, "spec": asdict(SIZES["demo"])},
-                     sort_keys=True)
+    # NOTE: the template and tool format are in the key too, so editing them rebuilds a cached
+    # model even where BUILDER_VERSION was not bumped.
+    key = json.dumps({"builder": BUILDER_VERSION, "seed": seed, "spec": asdict(SIZES["demo"]),
+                      "chat_template": CHAT_TEMPLATE, "tool_parser": TOOL_PARSER}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return atrium_home(home) / "models" / f"atrium-demo-{digest}"
 

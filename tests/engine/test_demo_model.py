@@ -85,7 +85,21 @@ def test_chat_template_rejects_unknown_roles(tiny_model_dir: Path):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(Exception, match="roles must be"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tok.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+def test_chat_template_accepts_tool_results(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template([{"role": "tool", "content": "42"}], tokenize=False)
+    assert text == "<|begin_of_text|><|user|>\n<tool_response>\n42\n</tool_response><|end|>\n"
+
+
+def test_a_new_chat_template_is_a_new_cached_demo_model(tmp_path: Path, monkeypatch):
+    before = demo_model.demo_model_dir(tmp_path)
+    monkeypatch.setattr(demo_model, "CHAT_TEMPLATE", demo_model.CHAT_TEMPLATE + " ")
+    assert demo_model.demo_model_dir(tmp_path) != before
 
 
 def test_special_tokens_in_chat_text_encode_as_single_ids(tokenizer: Tokenizer):
