@@ -36,7 +36,7 @@ from core.websockets import (
     stop_watching,
     watch_access,
 )
-from inference import params, pipeline, requestlog, responses, service
+from inference import params, pipeline, requestlog, responses, service, socket_messages
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
 
@@ -97,18 +97,18 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         try:
             await self._receive(message)
         except ApiError as refused:
-            await self._error(params.socket_message_id(message), refused)
+            await self._error(socket_messages.socket_message_id(message), refused)
         except Exception:
             # NOTE: one message must never cost the socket: its other streams go on.
             log.exception("websocket message failed")
-            await self._error(params.socket_message_id(message), ApiError(
+            await self._error(socket_messages.socket_message_id(message), ApiError(
                 "internal error", status=500, type="server_error", code="internal_error"))
 
     async def _receive(self, message: Any) -> None:
         """Starts or cancels a request; raises ApiError for a message it refuses."""
-        parsed = params.parse_socket_message(message)
+        parsed = socket_messages.parse_socket_message(message)
         client_id = parsed.id
-        if isinstance(parsed, params.SocketCancel):
+        if isinstance(parsed, socket_messages.SocketCancel):
             task = self.tasks.get(client_id)
             if task is not None:
                 task.cancel()

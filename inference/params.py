@@ -17,7 +17,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -26,12 +25,13 @@ from pydantic_core import PydanticCustomError
 
 from inference.errors import InvalidRequest
 from inference.structured import check_json_schema
+from inference.tools import ToolRequest, tool_choice_schema, tool_request
+from inference.validation import invalid_request, too_deep
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat; completions take as many (vLLM allows 20 too)
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 MAX_STOP_TOKEN_IDS = 64
-MAX_CLIENT_ID = 128  # a websocket request's own id
 MAX_NESTING = 32  # JSON arrays/objects inside one another; a JSON schema needs a few levels
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -64,32 +64,35 @@ def _only(allowed: tuple[Any, ...], message: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _empty(message: str) -> AfterValidator:
-    def check(value: Any) -> Any:
-        if value:
-            raise PydanticCustomError("unsupported_parameter", message)
-        return value
-
-    return AfterValidator(check)
-
-
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # NOTE: strict: "10" is no integer and 1.0 no int; an int is still a valid float.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class ChatMessage(_Strict):
+class FunctionCallIn(Strict):
+    name: Annotated[Text, Field(min_length=1, max_length=64)]
+    arguments: Text
+
+
+class ToolCallIn(Strict):
+    id: Annotated[Text, Field(max_length=128)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(Strict):
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     # NOTE: a factory, so the schema shows no default; the validator tells absent from null.
     content: Any = Field(default_factory=lambda: _ABSENT, validate_default=True)
-    # Accepted and ignored: what clients send back from an earlier answer.
     name: Text | None = None
-    tool_calls: list[Any] | None = None
+    # An assistant's calls and a tool's answer to one: they reach the chat template.
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None
+    # Accepted and ignored: what clients send back from an earlier answer.
     function_call: Any = None
     refusal: Text | None = None
 
@@ -121,7 +124,7 @@ def _schema(value: Any) -> Any:
     return value
 
 
-class JsonSchema(_Strict):
+class JsonSchema(Strict):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: Text | None = None
     # NOTE: checked here for what the engine's grammar can enforce (inference/structured.py).
@@ -130,7 +133,7 @@ class JsonSchema(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -194,7 +197,7 @@ def _logit_bias(value: dict[str, Any]) -> dict[str, float]:
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
-class CommonBody(_Strict):
+class CommonBody(Strict):
     model: NonEmptyText
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
@@ -261,8 +264,9 @@ class ChatCompletionBody(CommonBody):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     parallel_tool_calls: bool | None = None
-    tools: Annotated[list[Any], _empty("tools are not supported")] | None = None
-    tool_choice: Annotated[Any, _only(("none",), "tool_choice is not supported")] = None
+    # Checked by inference/tools (tool_request), with OpenAI's rules and parameter names.
+    tools: Any = None
+    tool_choice: Any = None
     response_format: ResponseFormat | None = None
 
     @field_validator("top_logprobs", mode="after")
@@ -272,28 +276,6 @@ class ChatCompletionBody(CommonBody):
             raise PydanticCustomError("invalid_value", "is only allowed when 'logprobs' is "
                                       "true")
         return value
-
-
-ClientId = Annotated[Text, Field(min_length=1, max_length=MAX_CLIENT_ID)]
-_CLIENT_ID = TypeAdapter(ClientId, config=ConfigDict(strict=True))
-
-
-class SocketRequest(_Strict):
-    """A websocket's request message; ``body`` is the HTTP body, checked like one."""
-
-    type: Literal["request"]
-    id: ClientId
-    endpoint: Literal["chat.completions", "completions"]
-    body: Any = None
-
-
-class SocketCancel(_Strict):
-    type: Literal["cancel"]
-    id: ClientId
-
-
-_SOCKET_MESSAGE = TypeAdapter(Annotated[SocketRequest | SocketCancel,
-                                        Field(discriminator="type")])
 
 
 def _fields(model: type[BaseModel]) -> frozenset[str]:
@@ -338,91 +320,34 @@ class CompletionRequest:
 @dataclass(slots=True)
 class ChatRequest:
     params: GenerationParams
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: ToolRequest | None = None  # None: no tools offered (or tool_choice "none")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _too_deep(body: Any) -> bool:
-    """Iterative, so a hostile body cannot exhaust the stack before it is refused."""
-    pending = [(body, 1)]
-    while pending:
-        value, depth = pending.pop()
-        if isinstance(value, dict):
-            children = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > MAX_NESTING:
-            return True
-        pending.extend((child, depth + 1) for child in children)
-    return False
-
-
-def _param(loc: tuple[Any, ...]) -> str | None:
-    name = ""
-    for part in loc:
-        if isinstance(part, int):
-            name += f"[{part}]"
-        elif not name:
-            name = str(part)
-        else:
-            name += f".{part}"
-    return name or None
-
-
-_TYPE_NAMES = {"model_type": "an object", "dict_type": "an object", "list_type": "a list",
-               "string_type": "a string", "int_type": "an integer", "float_type": "a number",
-               "bool_type": "a boolean"}
-
-
 _ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(ChatMessage) | _fields(StreamOptions)
-               | _fields(SocketRequest) | _fields(ResponseFormat) | _fields(JsonSchema)
-               | {"schema"})
+               | _fields(ResponseFormat) | _fields(JsonSchema) | _fields(ToolCallIn)
+               | _fields(FunctionCallIn)
+               | {"schema", "type", "id", "endpoint", "body"})  # and a websocket message's
 
 
-def _invalid(error: ValidationError) -> InvalidRequest:
-    """The first problem, in OpenAI's words and codes."""
-    first = error.errors(include_url=False)[0]
-    # NOTE: a union's branches (str | list | None) add their tags to loc; keep real names.
-    *path, last = first["loc"] or (None,)
-    kind = first["type"]
-    loc = [p for p in path if isinstance(p, int) or p in _ALL_FIELDS]
-    if kind == "extra_forbidden" or isinstance(last, int) or last in _ALL_FIELDS:
-        loc.append(last)  # an unknown key is named though it is no field
-    param = _param(tuple(loc))
-    if kind == "extra_forbidden":
-        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param,
-                              code="unknown_parameter")
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        return InvalidRequest("'type' must be 'request' or 'cancel'", param="type",
-                              code="invalid_value")
-    if kind == "missing":
-        return InvalidRequest(f"'{param}' is required", param=param,
-                              code="missing_required_parameter")
-    if kind in ("invalid_value", "invalid_type", "unsupported_parameter",
-                "missing_required_parameter"):
-        return InvalidRequest(f"'{param}' {first['msg']}", param=param, code=kind)
-    if kind in _TYPE_NAMES:
-        return InvalidRequest(f"'{param}' must be {_TYPE_NAMES[kind]}", param=param,
-                              code="invalid_type")
-    return InvalidRequest(f"'{param}': {first['msg']}", param=param, code="invalid_value")
-
+def invalid(error: ValidationError) -> InvalidRequest:
+    return invalid_request(error, _ALL_FIELDS)
 
 
 def _validate(model: type[CommonBody], body: Any) -> CommonBody:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
-    if _too_deep(body):
+    if too_deep(body, MAX_NESTING):
         raise InvalidRequest(f"the request body nests more than {MAX_NESTING} levels deep",
                              code="invalid_value")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise invalid(exc) from None
 
 
 def _params(body: CommonBody, max_tokens: int | None, max_tokens_param: str,
@@ -456,13 +381,43 @@ def parse_chat(body: Any) -> ChatRequest:
         max_tokens, name = parsed.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, name = parsed.max_tokens, "max_tokens"
-    # NOTE: the demo chat templates know system/user/assistant; developer reads as system.
-    messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content or ""} for m in parsed.messages]
     logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
     params = _params(parsed, max_tokens, name, logprobs)
     params.grammar = _grammar(parsed.response_format)
-    return ChatRequest(params=params, messages=messages)
+    tools = tool_request(tools=parsed.tools, tool_choice=parsed.tool_choice,
+                         parallel_tool_calls=parsed.parallel_tool_calls)
+    if tools is not None and tools.tool_choice == "none":
+        tools = None  # NOTE: the model is not told of tools it may not call
+    if tools is not None and tools.tool_choice != "auto":
+        if params.grammar is not None:
+            raise InvalidRequest("'response_format' cannot be combined with a tool_choice that "
+                                 "forces a call", param="response_format",
+                                 code="invalid_value")
+        for i, tool in enumerate(tools.tools):
+            check_json_schema(tool["function"].get("parameters") or {"type": "object"},
+                              param=f"tools[{i}].function.parameters")
+        params.grammar = {"type": "json_schema", "schema": tool_choice_schema(
+            tools.tools, tools.tool_choice, tools.parallel_tool_calls)}
+    return ChatRequest(params=params, messages=_template_messages(parsed.messages), tools=tools)
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them (core/served_models.py converts the calls)."""
+    out = []
+    for m in messages:
+        # NOTE: the demo chat templates know system/user/assistant; developer reads as system.
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": m.content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 def _grammar(response_format: ResponseFormat | None) -> dict[str, Any] | None:
@@ -481,20 +436,3 @@ def _grammar(response_format: ResponseFormat | None) -> dict[str, Any] | None:
 def parse(kind: str, body: Any) -> ChatRequest | CompletionRequest:
     """``kind`` is ``"chat"`` or ``"completion"``."""
     return parse_chat(body) if kind == "chat" else parse_completion(body)
-
-
-def parse_socket_message(message: Any) -> SocketRequest | SocketCancel:
-    if not isinstance(message, dict):
-        raise InvalidRequest("messages must be JSON objects", code="invalid_json")
-    try:
-        return _SOCKET_MESSAGE.validate_python(message)
-    except ValidationError as exc:
-        raise _invalid(exc) from None
-
-
-def socket_message_id(message: Any) -> str | None:
-    """The id of a message, refused or not, when it has a valid one: its error names it."""
-    try:
-        return _CLIENT_ID.validate_python(message.get("id"))
-    except (AttributeError, ValidationError):
-        return None

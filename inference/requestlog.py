@@ -69,6 +69,14 @@ class Trace:
             else:
                 self.status, self.error_code = 500, "internal_error"
 
+    def _tool_call(self, call: dict[str, Any]) -> None:
+        """A tool call, whole or as a stream's opening and argument fragments: logged after
+        the content as ``[tool_call <name>] <arguments>``, redacted like it."""
+        function = call.get("function") or {}
+        if function.get("name"):
+            self.parts.append(f"\n[tool_call {function['name']}] ")
+        self.parts.append(function.get("arguments") or "")
+
     def cancel(self) -> None:
         if self.status is None:
             self.status, self.error_code = CLIENT_CLOSED, "client_closed"
@@ -78,6 +86,8 @@ class Trace:
         choice = (response.get("choices") or [{}])[0]
         text = choice["message"]["content"] if "message" in choice else choice.get("text")
         self.parts = [text or ""]
+        for call in (choice.get("message") or {}).get("tool_calls") or ():
+            self._tool_call(call)
         self.finish_reason = choice.get("finish_reason") or ""
         if self.status is None:
             self.status = 200
@@ -99,6 +109,8 @@ class Trace:
                             if "delta" in choice else choice.get("text")
                         if text:
                             self.parts.append(text)
+                        for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                            self._tool_call(call)
                         if choice.get("finish_reason"):
                             self.finish_reason = choice["finish_reason"]
                     yield chunk

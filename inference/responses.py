@@ -23,6 +23,7 @@ from inference.errors import (
 )
 from inference.logprobs import CompletionLogprobs, TokenTexts, chat_entries, merge_completion
 from inference.service import Prepared, close
+from inference.tools import Delta, ForcedToolCallStream, ToolCall, parser_for
 
 
 def usage_object(data: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +68,35 @@ def _token_texts(model: ServedModel) -> TokenTexts:
     return TokenTexts(model.tokenizer)
 
 
+class _ToolCalls:
+    """Finds a chat answer's tool calls as its text streams in: the model's own format
+    with tool_choice "auto", the forced JSON otherwise (inference/tools)."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        tools = prepared.tools
+        self.parallel = tools.parallel_tool_calls
+        if tools.tool_choice == "auto":
+            self.parser = parser_for(prepared.model)()
+        else:
+            self.parser = ForcedToolCallStream(tools.tools, tools.tool_choice)
+
+    def feed(self, text: str) -> list[Delta]:
+        return self._allowed(self.parser.feed(text))
+
+    def finish(self) -> list[Delta]:
+        return self._allowed(self.parser.finish())
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        calls = self.parser.tool_calls
+        return calls if self.parallel else calls[:1]
+
+    def _allowed(self, deltas: list[Delta]) -> list[Delta]:
+        # NOTE: parallel_tool_calls false: the first call only, as OpenAI answers.
+        return deltas if self.parallel else [
+            d for d in deltas if d.tool_call is None or d.tool_call["index"] == 0]
+
+
 class _Choice:
     """One choice's output so far, and how each delta reads in a chunk."""
 
@@ -76,16 +106,27 @@ class _Choice:
         self.chat = prepared.kind == "chat"
         self.texts = _token_texts(prepared.model) if prepared.params.logprobs is not None \
             else None
-        self.parts: list[str] = []
+        self.parts: list[str] = []  # the content the client sees
+        self.tools = _ToolCalls(prepared) if prepared.tools is not None else None
         self.chat_logprobs: list[dict[str, Any]] = []
         self.completion_logprobs: list[dict[str, Any]] = []
         self._offsets = CompletionLogprobs(self.texts) if self.texts else None
 
-    def add(self, data: dict[str, Any]) -> dict[str, Any] | None:
-        """Takes one delta event's data; the logprobs of its tokens as the chunk shows
-        them, or None when none were asked for."""
+    def add(self, data: dict[str, Any]) -> list[Delta]:
+        """Takes one delta event's data; what the client is sent for it."""
         text = data.get("text") or ""
-        self.parts.append(text)
+        return self._deltas(self.tools.feed(text) if self.tools else [Delta(content=text)])
+
+    def finish(self) -> list[Delta]:
+        return self._deltas(self.tools.finish()) if self.tools else []
+
+    def _deltas(self, deltas: list[Delta]) -> list[Delta]:
+        self.parts.extend(d.content for d in deltas if d.content)
+        return deltas
+
+    def logprobs_of(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        """The logprobs of one delta event's tokens as a chunk shows them, or None when none
+        were asked for."""
         if self.texts is None or "logprobs" not in data:
             return None
         ids = data.get("token_ids") or []
@@ -100,6 +141,16 @@ class _Choice:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        return "tool_calls" if self.tools and self.tools.calls else engine_reason
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None}
+        if self.tools and self.tools.calls:
+            message["content"] = self.text or None
+            message["tool_calls"] = [call.to_openai() for call in self.tools.calls]
+        return message
 
     def logprobs(self) -> dict[str, Any] | None:
         if self.texts is None:
@@ -117,11 +168,14 @@ class _ChunkWriter:
 
     def chunk(self, *, text: str | None = None, role: bool = False,
               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-              index: int = 0) -> dict[str, Any]:
+              index: int = 0, tool_calls: list[dict[str, Any]] | None = None
+              ) -> dict[str, Any]:
         if self.prepared.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
+            elif tool_calls:
+                delta = {"tool_calls": tool_calls}
             elif text is not None:
                 delta = {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
@@ -153,17 +207,32 @@ async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
             yield writer.chunk(role=True)
         async for event in dispatch.events():
             if event.type == protocol.EV_DELTA:
-                logprobs = choice.add(event.data)
-                if event.data.get("text") or logprobs is not None:
-                    yield writer.chunk(text=event.data.get("text") or "", logprobs=logprobs)
+                logprobs = choice.logprobs_of(event.data)
+                for chunk in _chunks(writer, choice.add(event.data), logprobs):
+                    yield chunk
             elif event.is_final:
                 raise_for_final(event)
-                yield writer.chunk(finish_reason=event.data["finish_reason"],
-                                   text="" if prepared.kind == "completion" else None)
+                for chunk in _chunks(writer, choice.finish(), None):
+                    yield chunk
+                yield writer.chunk(finish_reason=choice.finish_reason(
+                    event.data["finish_reason"]),
+                    text="" if prepared.kind == "completion" else None)
                 if prepared.params.include_usage:
                     yield writer.usage_chunk(usage_object(event.data.get("usage") or {}))
     finally:
         await close(prepared, dispatch, admission)
+
+
+def _chunks(writer: _ChunkWriter, deltas: list[Delta], logprobs: dict[str, Any] | None
+            ) -> list[dict[str, Any]]:
+    """The chunks for one event: its content (with its tokens' logprobs, sent even when the
+    text is held back), then each tool-call delta."""
+    text = "".join(d.content for d in deltas if d.content)
+    out = []
+    if text or logprobs is not None:
+        out.append(writer.chunk(text=text, logprobs=logprobs))
+    out.extend(writer.chunk(tool_calls=[d.tool_call]) for d in deltas if d.tool_call)
+    return out
 
 
 async def collect(prepared: Prepared, dispatch: Dispatch,
@@ -173,17 +242,18 @@ async def collect(prepared: Prepared, dispatch: Dispatch,
     try:
         async for event in dispatch.events():
             if event.type == protocol.EV_DELTA:
+                choice.logprobs_of(event.data)
                 choice.add(event.data)
             elif event.is_final:
                 raise_for_final(event)
+                choice.finish()
                 final = event
     finally:
         await close(prepared, dispatch, admission)
-    reason = final.data["finish_reason"]
+    reason = choice.finish_reason(final.data["finish_reason"])
     if prepared.kind == "chat":
-        body = {"index": 0, "message": {"role": "assistant", "content": choice.text,
-                                        "refusal": None},
-                "logprobs": choice.logprobs(), "finish_reason": reason}
+        body = {"index": 0, "message": choice.message(), "logprobs": choice.logprobs(),
+                "finish_reason": reason}
         obj = "chat.completion"
     else:
         body = {"text": choice.text, "index": 0, "logprobs": choice.logprobs(),

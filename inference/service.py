@@ -42,6 +42,7 @@ from inference.errors import (
     ModelNotFound,
     ServiceUnavailable,
 )
+from inference.tools import ToolRequest, check_tool_support
 from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Prepared:
     params: p.GenerationParams
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
+    tools: ToolRequest | None = None  # tools the model may call, and how
 
     @property
     def response_id(self) -> str:
@@ -136,24 +138,32 @@ def adapter_object(adapter: ServedAdapter, model_id: str | None = None) -> dict[
             "parent": adapter.model_id.split(":")[0], "version": adapter.version}
 
 
+def _prompt_ids(parsed: p.ChatRequest | p.CompletionRequest, model: ServedModel,
+                tools: ToolRequest | None) -> list[int]:
+    """The prompt as token ids: chat messages (and tools) through the model's template."""
+    if isinstance(parsed, p.ChatRequest):
+        if tools is not None:
+            check_tool_support(model, tools)
+        try:
+            return model.encode_chat(parsed.messages, tools=tools.tools if tools else None)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"messages cannot be rendered: {exc}", param="messages",
+                                 code="invalid_value") from exc
+    if isinstance(parsed.prompt, str):
+        return model.encode_prompt(parsed.prompt)
+    vocab = model.vocab_size()
+    if any(t >= vocab for t in parsed.prompt):
+        raise InvalidRequest(f"token ids in 'prompt' must be below {vocab}", param="prompt",
+                             code="invalid_value")
+    return list(parsed.prompt)
+
+
 def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
     parsed = p.parse(kind, body)
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
-    if kind == "chat":
-        try:
-            prompt_ids = model.encode_chat(parsed.messages)
-        except ChatTemplateError as exc:
-            raise InvalidRequest(f"messages cannot be rendered: {exc}", param="messages",
-                                 code="invalid_value") from exc
-    elif isinstance(parsed.prompt, str):
-        prompt_ids = model.encode_prompt(parsed.prompt)
-    else:
-        vocab = model.vocab_size()
-        if any(t >= vocab for t in parsed.prompt):
-            raise InvalidRequest(f"token ids in 'prompt' must be below {vocab}",
-                                 param="prompt", code="invalid_value")
-        prompt_ids = list(parsed.prompt)
+    tools = parsed.tools if kind == "chat" else None
+    prompt_ids = _prompt_ids(parsed, model, tools)
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt" if kind == "completion"
                              else "messages", code="invalid_value")
@@ -204,7 +214,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
     )
     return Prepared(kind=kind, created=created, model=model, adapter=adapter, params=params,
-                    engine_request=engine_request, principal=principal)
+                    engine_request=engine_request, principal=principal, tools=tools)
 
 
 def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:

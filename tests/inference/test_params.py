@@ -42,7 +42,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"min_tokens": -1}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
     ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"bogus": 1}, "bogus"),
 ])
 def test_bad_chat_field_is_rejected_with_its_name(patch, param):

@@ -98,18 +98,18 @@ def test_token_id_prompts_are_decoded_before_redaction(api_server, tenant_key, s
 @pytest.mark.parametrize("keep_bodies", [False, True])
 def test_a_request_carrying_ids_no_tokenizer_knows_is_still_logged(
         api_server, tenant_key, served_model, echo_engine, keep_bodies):
-    # A field in a message the API ignores (tool_calls) is kept in the body; ids that
+    # A field in a message the API ignores (function_call) is kept in the body; ids that
     # overflow the tokenizer must not cost the request its log row.
     if keep_bodies:
         _keep_bodies(tenant_key)
     r = _post(api_server, tenant_key.key, "/v1/chat/completions", {
         "model": served_model, "max_tokens": 8,
-        "messages": [{"role": "user", "content": f"hi {CARD}", "tool_calls": [-1, 2**70]}]})
+        "messages": [{"role": "user", "content": f"hi {CARD}", "function_call": [-1, 2**70]}]})
     assert r.status_code == 200
     [entry] = wait_for_logs(1)
     assert entry.status == 200 and entry.request_id == r.headers["x-request-id"]
     if keep_bodies:
-        assert entry.prompt == [{"role": "user", "content": "hi [CARD]", "tool_calls": None}]
+        assert entry.prompt == [{"role": "user", "content": "hi [CARD]", "function_call": None}]
     else:
         assert entry.prompt is None
 
