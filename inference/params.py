@@ -76,12 +76,14 @@ class StreamOptions(Strict):
 class FunctionCallIn(Strict):
     name: Annotated[Text, Field(min_length=1, max_length=64)]
     arguments: Text
+    parsed_arguments: Any = None  # the openai SDK's .parse() adds it; ignored
 
 
 class ToolCallIn(Strict):
     id: Annotated[Text, Field(max_length=128)] | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
+    index: Any = None  # kept by the openai SDK's stream helper; ignored
 
 
 class ChatMessage(Strict):
@@ -95,6 +97,9 @@ class ChatMessage(Strict):
     # Accepted and ignored: what clients send back from an earlier answer.
     function_call: Any = None
     refusal: Text | None = None
+    annotations: Any = None
+    audio: Any = None
+    parsed: Any = None  # the openai SDK's .parse() result, when its message is sent back
 
     @field_validator("content", mode="before")
     @classmethod
