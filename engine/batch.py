@@ -40,6 +40,10 @@ class ScheduledRequest:
     # Structured output: the sequence's grammar state (engine/grammar.py), which masks the
     # tokens it cannot accept; the runner reads it, the scheduler advances it.
     grammar: Any = None
+    # n > 1, the step choice 0 samples its first token: the seeds (and grammar states, with
+    # a grammar) of choices 1..n-1, whose first tokens are sampled from this row too.
+    fork_seeds: list[int] = field(default_factory=list)
+    fork_grammars: list[Any] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -51,6 +55,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     # Decodes first, then prefill chunks; the runner keeps this order in its result.
     requests: list[ScheduledRequest]
+    # (source, destination) KV blocks the runner copies, every layer, before the forward
+    # pass: copy-on-write of a block choices of one request shared (KVCacheManager.fork).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -74,9 +81,23 @@ class RunnerOutput:
     sampled: list[int | SampleFailure | None]
     # Set for the rows whose request asked for logprobs.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # The raw log-probability of the sampled token, for rows of n > 1 requests (best_of).
+    sampled_logprobs: list[float | None] = field(default_factory=list)
+    # Row index -> the first tokens of choices 1..n-1 when that row forked (its request's
+    # fork_seeds), one row per choice in fork_seeds order.
+    forks: dict[int, RunnerOutput] = field(default_factory=dict)
 
     def logprobs_of(self, index: int) -> TokenLogprobs | None:
         return self.logprobs[index] if self.logprobs else None
+
+    def sampled_logprob_of(self, index: int) -> float | None:
+        return self.sampled_logprobs[index] if self.sampled_logprobs else None
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled in the step, forks' included."""
+        return sum(isinstance(t, int) for t in self.sampled) \
+            + sum(f.num_sampled for f in self.forks.values())
 
 
 @dataclass(slots=True, frozen=True)

@@ -91,6 +91,8 @@ class EventWriter:
                 if out.logprobs is not None:
                     data["logprobs"] = [[lp.logprob, [list(pair) for pair in lp.top]]
                                         for lp in out.logprobs]
+                if self.open[out.request_id].request.sampling.n > 1:
+                    data["index"] = out.index
                 self._append(batch, out.request_id, protocol.EV_DELTA, data)
             if out.finished:
                 self._append_final(batch, out, error_code)
@@ -202,8 +204,10 @@ class EventWriter:
                                  {"code": out.error_code or error_code, "message": out.error,
                                   "usage": usage})
         else:
-            event = self._append(batch, out.request_id, protocol.EV_FINISH,
-                                 {"finish_reason": out.finish_reason, "usage": usage})
+            data = {"finish_reason": out.finish_reason, "usage": usage}
+            if out.choices is not None:
+                data["choices"] = out.choices
+            event = self._append(batch, out.request_id, protocol.EV_FINISH, data)
         self._report_usage(batch, state.request, event)
         self._settle(batch, self.open.pop(out.request_id).entry_id)
         self.finished += 1

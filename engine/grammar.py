@@ -78,6 +78,13 @@ class GrammarState:
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
 
+    def fork(self) -> GrammarState:
+        """An independent state at the same place (another choice of the same request)."""
+        state = GrammarState.__new__(GrammarState)
+        state._matcher = self._matcher.fork()
+        state.vocab_size = self.vocab_size
+        return state
+
     def accept(self, token_id: int) -> bool:
         """Advances by one sampled token; False (state unchanged) if the grammar forbids it."""
         return self._matcher.accept_token(token_id)

@@ -17,6 +17,7 @@ import redis
 from engine import protocol
 from engine.events import EventWriter
 from engine.outputs import EngineCore
+from engine.sampling_params import MAX_N
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,12 @@ class Intake:
                 refusal = protocol.EV_ERROR, {"code": protocol.ERROR_ENGINE,
                                               "message": "the engine could not start this request"}
         if refusal is not None:
-            self.events.finish_unstarted(entry_id, rid, *refusal)
+            event_type, data = refusal
+            n = request.sampling.n
+            if event_type == protocol.EV_FINISH and isinstance(n, int) and 1 < n <= MAX_N:
+                data["choices"] = [{"index": i, "finish_reason": data["finish_reason"],
+                                    "cumulative_logprob": 0.0} for i in range(n)]
+            self.events.finish_unstarted(entry_id, rid, event_type, data)
         else:
             self.events.accept(entry_id, request, self.engine_id)
 

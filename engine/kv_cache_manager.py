@@ -34,6 +34,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
+        # Copy-on-write this step, destination block id -> source block id (take_copies).
+        self._copies: dict[int, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -89,14 +91,40 @@ class KVCacheManager:
             raise ValueError("cache hits are only taken by a sequence that holds no blocks")
         num_computed = seq.num_computed_tokens + len(computed) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed)
+        # NOTE: a block other choices of the request hold too (fork) is copied before this
+        # sequence writes into it. Only a partly filled one can be: a full block is never
+        # written again.
+        shared = [i for i in range(seq.num_computed_tokens // self.block_size, len(table))
+                  if table[i].ref_cnt > 1]
         # Hits sitting unused in the free queue stop being free once taken.
         available = self.pool.num_free - sum(1 for b in computed if b.ref_cnt == 0)
-        if need > available:
+        if max(need, 0) + len(shared) > available:
             return False
         self.pool.touch(computed)
+        for i in shared:
+            table[i] = self._copy_on_write(table[i])
         table = table + computed + self.pool.allocate(max(need, 0))
         self.tables[seq.request_id] = table
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (another choice of ``parent``'s request) shares every block of
+        ``parent``'s table, one more reference each, until it writes into one."""
+        table = self.tables[parent.request_id]
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies this step's writes need, once each.
+
+        NOTE: a destination freed and handed out again in the same step appears once, with
+        its last source; a source is never a destination in the same step (it was shared,
+        a block allocated this step is not).
+        """
+        copies = [(src, dst) for dst, src in self._copies.items()]
+        self._copies.clear()
+        return copies
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Indexes the blocks that the first ``num_tokens`` tokens of ``seq`` fill.
@@ -120,6 +148,12 @@ class KVCacheManager:
         for block in table[seq.num_computed_tokens // self.block_size:]:
             self.pool.uncache(block)
         self.pool.release(table[::-1])
+
+    def _copy_on_write(self, block: KVBlock) -> KVBlock:
+        (copy,) = self.pool.allocate(1)
+        self.pool.release([block])
+        self._copies[copy.block_id] = block.block_id
+        return copy
 
     def _hash_full_blocks(self, seq: Sequence, num_full: int) -> None:
         size = self.block_size

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from engine import protocol
+from engine import parallel, protocol
 from engine.config import EngineConfig, eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
@@ -89,10 +89,7 @@ class LLMEngine:
         adapter_hash = request.adapter_hash
         if adapter_hash is not None:
             self._check_adapter(request)
-        if request.request_id in self.scheduler.sequences or request.request_id in \
-                self._compiling or (self.adapters is not None
-                                    and self.adapters.holds_request(request.request_id)):
-            raise ValueError(f"request {request.request_id} is already in the engine")
+        self._check_id(request.request_id, params.n)
         scope = "\0".join((request.tenant_id, request.cache_salt,
                            adapter_hash or request.adapter or ""))
         seq = Sequence(
@@ -102,6 +99,8 @@ class LLMEngine:
             cache_scope=scope.encode(), deadline=request.deadline,
             adapter_hash=adapter_hash,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        if params.n > 1:
+            parallel.start_group(seq, params.n)
         if request.sampling.grammar is not None:
             self._compiling[seq.request_id] = (seq, self.grammars().submit(
                 request.sampling.grammar))
@@ -114,8 +113,26 @@ class LLMEngine:
         if seq.adapter_hash is None or self.adapters.hold(seq):
             self.scheduler.add(seq)
 
+    def _check_id(self, request_id: str, n: int) -> None:
+        """Refuses (ValueError) a request id in use here, its choices' ids included."""
+        taken = [request_id] + [parallel.choice_id(request_id, i) for i in range(1, n)]
+        if any(self._holds(rid) for rid in taken):
+            raise ValueError(f"request {request_id} is already in the engine")
+        base, sep, _ = request_id.rpartition("#")
+        if sep and self._holds(base):
+            raise ValueError(f"request id {request_id} may name a choice of request {base}, "
+                             f"which is in the engine")
+
+    def _holds(self, request_id: str) -> bool:
+        return request_id in self.scheduler.sequences or request_id in self.scheduler.groups \
+            or request_id in self._compiling or (
+                self.adapters is not None and self.adapters.holds_request(request_id))
+
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """Refuses (ValueError) a prompt this engine could never run."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} choices exceed the {self.config.max_num_seqs} "
+                             f"sequences this engine runs at once")
         if not prompt:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
@@ -141,7 +158,7 @@ class LLMEngine:
         if request_id in self._compiling:
             seq, _ = self._compiling.pop(request_id)
             return RequestOutput(request_id, finished=True, finish_reason=reason,
-                                 usage=usage_of(seq))
+                                 usage=usage_of(seq), choices=parallel.choices_of(seq, reason))
         loading = self.adapters.abort(request_id, reason) if self.adapters else None
         if loading is not None:
             return self._settled([loading])[0]
@@ -179,11 +196,12 @@ class LLMEngine:
             # NOTE: blocks indexed for this step were never (fully) written, and a request
             # that hit one in the same step is failing too; drop the whole index to be sure.
             self.kv.pool.reset_cache()
-            return self._settled(outputs + [self.scheduler.abort(r.request_id, None, error=message)
-                                            for r in batch.requests])
+            failed = [self.scheduler.abort(r.request_id, None, error=message)
+                      for r in batch.requests]  # None for a request another row ended
+            return self._settled(outputs + [out for out in failed if out is not None])
         self.metrics.record_step(
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests if not r.is_decode),
-            generation_tokens=sum(isinstance(t, int) for t in sampled.sampled))
+            generation_tokens=sampled.num_sampled)
         return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
 
     # -- grammars -------------------------------------------------------------------------

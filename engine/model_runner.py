@@ -8,10 +8,13 @@ asked for one. It makes no scheduling decision.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from engine.batch import RunnerOutput, SchedulerOutput
+from engine.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
@@ -97,6 +100,8 @@ class ModelRunner:
             if r.adapter_slot >= 0 and self.lora.slot_hash[r.adapter_slot] != r.adapter_hash:
                 raise RuntimeError(f"LoRA slot {r.adapter_slot} does not hold adapter "
                                    f"{r.adapter_hash} for request {r.request_id}")
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
         if not reqs:
             return RunnerOutput([])
         # Decode rows (one query token) first, then prompt chunks; within each, rows of one
@@ -145,16 +150,68 @@ class ModelRunner:
         hidden = self.model(torch.tensor(token_ids, device=device),
                             torch.tensor(positions, device=device), self.kv_caches, meta, lora)
         sampling = [i for i in range(len(reqs)) if reqs[i].sample]
-        out = RunnerOutput([None] * len(reqs))
         if not sampling:
-            return out
+            return RunnerOutput([None] * len(reqs))
         rows = torch.tensor([last_row[i] for i in sampling], device=device)
         logits = self.model.compute_logits(hidden[rows])  # [sampling rows, vocab]
-        tokens, logprobs = sample_batch(logits, [reqs[i] for i in sampling])
-        for i, token in zip(sampling, tokens, strict=True):
-            out.sampled[i] = token
-        if any(lp is not None for lp in logprobs):
-            out.logprobs = [None] * len(reqs)
-            for i, lp in zip(sampling, logprobs, strict=True):
-                out.logprobs[i] = lp
-        return out
+        return _sample(logits, reqs, sampling)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each destination block gets its source's keys and values."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim]
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+
+def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest],
+            sampling: list[int]) -> RunnerOutput:
+    """Samples ``reqs[i]`` from ``logits[k]`` [len(sampling), vocab] for ``i = sampling[k]``,
+    and from the same row the first token of every choice a request forks."""
+    rows, source = [reqs[i] for i in sampling], list(range(len(sampling)))
+    for k, i in enumerate(sampling):
+        req = reqs[i]
+        grammars = req.fork_grammars or [None] * len(req.fork_seeds)
+        for seed, grammar in zip(req.fork_seeds, grammars, strict=True):
+            rows.append(replace(req, seed=seed, grammar=grammar, fork_seeds=[], fork_grammars=[]))
+            source.append(k)
+    if len(rows) > len(sampling):
+        logits = logits[torch.tensor(source, device=logits.device)]  # [rows, vocab]
+    tokens, logprobs = sample_batch(logits, rows)
+    # n > 1: the raw logprob of each sampled token, for the choice's cumulative logprob.
+    summed = [j for j, r in enumerate(rows) if r.sampling.n > 1 and isinstance(tokens[j], int)]
+    chosen: list[float | None] = [None] * len(rows)
+    if summed:
+        index = torch.tensor(summed, device=logits.device)
+        ids = torch.tensor([tokens[j] for j in summed], device=logits.device)
+        values = torch.log_softmax(logits[index].float(), dim=-1)  # [summed, vocab]
+        for j, value in zip(summed, values.gather(1, ids[:, None])[:, 0].tolist(), strict=True):
+            chosen[j] = value
+    size, m = len(reqs), len(sampling)
+    out = RunnerOutput(_spread(tokens[:m], sampling, size) or [None] * size,
+                       _spread(logprobs[:m], sampling, size), _spread(chosen[:m], sampling, size))
+    start = m  # the forks' rows follow, request by request
+    for i in sampling:
+        stop = start + len(reqs[i].fork_seeds)
+        if stop > start:
+            out.forks[i] = RunnerOutput(tokens[start:stop], _present(logprobs[start:stop]),
+                                        _present(chosen[start:stop]))
+        start = stop
+    return out
+
+
+def _present(values: list[Any]) -> list[Any]:
+    """``values``, or [] when every one is None (RunnerOutput's "none asked for")."""
+    return values if any(v is not None for v in values) else []
+
+
+def _spread(values: list[Any], at: Sequence[int], size: int) -> list[Any]:
+    """``values[k]`` at position ``at[k]`` of a list of ``size``, None elsewhere; [] when
+    every value is None."""
+    if not _present(values):
+        return []
+    out = [None] * size
+    for k, value in zip(at, values, strict=True):
+        out[k] = value
+    return out

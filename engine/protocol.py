@@ -86,6 +86,9 @@ class SamplingSpec:
     logprobs: int | None = None
     # Structured output: {"type": "json_object"} or {"type": "json_schema", "schema": {...}}.
     grammar: dict[str, Any] | None = None
+    # Choices to generate from the one prompt (1..16); with n > 1 deltas carry "index" and
+    # the finish event "choices".
+    n: int = 1
 
 
 @dataclass(slots=True)
@@ -126,9 +129,12 @@ class EngineRequest:
 # that starts at 0 and grows by one, so a reader can tell a gap from a delay.
 EV_ACCEPTED = "accepted"  # data: {"engine_id"}
 # data: {"text", "token_ids"}, and with logprobs asked for, "logprobs": one
-# [logprob, [[token_id, logprob], ...]] per token (the sampled token's, then the top k).
+# [logprob, [[token_id, logprob], ...]] per token (the sampled token's, then the top k);
+# with n > 1, "index": the choice (absent: 0).
 EV_DELTA = "delta"
-EV_FINISH = "finish"  # data: {"finish_reason", "usage": {...}}; always the last event
+# data: {"finish_reason", "usage": {...}}, and with n > 1, "choices": one
+# {"index", "finish_reason", "cumulative_logprob"} per choice; always the last event.
+EV_FINISH = "finish"
 EV_ERROR = "error"  # data: {"code", "message", "usage"}; always the last event
 
 FINISH_STOP = "stop"

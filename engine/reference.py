@@ -63,6 +63,9 @@ class ReferenceEngine:
         params = SamplingParams.from_spec(request.sampling)
         params.min_tokens_masked = frozenset(self.eos_token_ids | set(params.stop_token_ids))
         prompt = request.prompt_token_ids
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the reference engine generates one choice per "
+                             f"request")
         if request.sampling.grammar is not None:
             raise ValueError("response_format cannot be enforced: the reference engine "
                              "serves no grammars")

@@ -16,20 +16,12 @@ import torch
 
 from engine.batch import SampleFailure, ScheduledRequest, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.seeds import stream_seed
 
 log = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 _NOT_FINITE = "the model produced logits that are not finite (NaN or infinite)"
 _NOTHING_LEFT = "no token is allowed here (the grammar and min_tokens masked them all)"
-
-
-def stream_seed(seed: int, step: int) -> int:
-    """A well-mixed 63-bit seed for draw ``step`` of a request seeded with ``seed`` (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 def shape_logits(logits: torch.Tensor, params: SamplingParams, history: Sequence[int],

@@ -10,6 +10,7 @@ from engine import protocol
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are out
     stop_token_ids: list[int] = field(default_factory=list)  # end like EOS, not in the text
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    n: int = 1  # choices from the one prompt (engine/parallel.py)
     # Set by the engine: the tokens min_tokens holds back (its EOS ids and stop_token_ids).
     min_tokens_masked: frozenset[int] = frozenset()
 
@@ -66,6 +68,8 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]")
         self.stop_token_ids = list(self.stop_token_ids)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     def _check_penalties(self) -> None:
         for name, low, high in (("presence_penalty", -2.0, 2.0),
@@ -105,7 +109,7 @@ class SamplingParams:
                    frequency_penalty=spec.frequency_penalty,
                    repetition_penalty=spec.repetition_penalty, logit_bias=bias,
                    min_tokens=spec.min_tokens, stop_token_ids=list(spec.stop_token_ids),
-                   logprobs=spec.logprobs)
+                   logprobs=spec.logprobs, n=spec.n)
 
 
 def _is_int(value: object) -> bool:

@@ -10,14 +10,15 @@ Plain Python, no tensors. Each step the scheduler fills a token budget:
    whatever prefix of it the prefix cache already holds.
 
 ``postprocess`` takes the runner's sampled tokens, appends them, detokenizes, and
-decides who stopped.
+decides who stopped. A request with n > 1 choices forks there, once its prompt has run
+(engine/parallel.py); its choices are sequences of their own from then on.
 """
 
 from __future__ import annotations
 
 import time
 
-from engine import protocol
+from engine import parallel, protocol
 from engine.batch import RunnerOutput, SampleFailure, ScheduledRequest, SchedulerOutput
 from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
@@ -43,7 +44,8 @@ class Scheduler:
         self.slots = slots
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
+        self.groups: dict[str, parallel.ParallelGroup] = {}  # n > 1 requests, by request id
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------------------
@@ -54,21 +56,29 @@ class Scheduler:
         if seq.adapter_hash is not None and self.slots is None:
             raise ValueError("this engine serves no LoRA adapters")
         self.sequences[seq.request_id] = seq
+        if seq.group is not None:
+            self.groups[seq.request_id] = seq.group
         self.waiting.push(seq)
 
     def abort(self, request_id: str, reason: str | None,
               error: str | None = None) -> RequestOutput | None:
+        """Ends a request (every choice of it; ``request_id`` may name any one)."""
         seq = self.sequences.get(request_id)
+        group = self.groups.get(request_id) if seq is None else seq.group
+        if group is not None:
+            # NOTE: text a choice held back (a possible stop string's start) is dropped.
+            return self._end_group(group, reason, error)
         if seq is None:
             return None
         text = seq.detokenizer.flush() if seq.detokenizer else ""
         return self._finish(seq, reason, text=text, error=error)
 
     def expire(self, now: float | None = None) -> list[RequestOutput]:
-        """Ends every sequence whose deadline has passed."""
+        """Ends every request whose deadline has passed."""
         now = time.time() if now is None else now
-        late = [s for s in self.sequences.values() if s.deadline is not None and now >= s.deadline]
-        return [self.abort(s.request_id, protocol.FINISH_DEADLINE) for s in late]
+        late = dict.fromkeys(s.reported_id for s in self.sequences.values()
+                             if s.deadline is not None and now >= s.deadline)
+        return [self.abort(request_id, protocol.FINISH_DEADLINE) for request_id in late]
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
@@ -81,7 +91,8 @@ class Scheduler:
         # New work only when nothing had to make room this step.
         if not preempted:
             self._schedule_waiting(scheduled, budget)
-        return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()])
+        return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
+                               block_copies=self.kv.take_copies())
 
     def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]],
                           budget: int) -> tuple[int, bool]:
@@ -120,8 +131,9 @@ class Scheduler:
         even one whose adapter is already in: else a busy adapter's stream of requests
         keeps every slot busy and the one waiting never gets one. Now a slot drains."""
         waiting_for_slot = False
+        seats = sum(parallel.seats(s) for s in self.running)  # an unforked request: n
         for seq in self.waiting.candidates():
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+            if budget == 0 or seats + parallel.seats(seq) > self.max_num_seqs:
                 break
             if seq.adapter_hash is not None and (
                     waiting_for_slot or not self.slots.can_acquire(seq.adapter_hash)):
@@ -137,6 +149,7 @@ class Scheduler:
             scheduled[seq.request_id] = (seq, n)
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
+            seats += parallel.seats(seq)
 
     def _start(self, seq: Sequence, num_cached: int) -> None:
         """A waiting sequence whose KV blocks were just allocated starts (or restarts)."""
@@ -164,55 +177,83 @@ class Scheduler:
             seq.num_computed_tokens += len(req.token_ids)
             seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
                                              min(seq.num_computed_tokens, seq.num_prompt_tokens))
-            if isinstance(token, SampleFailure):
-                text = seq.detokenizer.flush() if seq.detokenizer else ""
-                outputs.append(self._finish(seq, None, text=text, error=token.reason))
+            forks = ran.forks.get(index)
+            failure = token.reason if isinstance(token, SampleFailure) else \
+                parallel.fork_failure(forks, len(req.fork_seeds))
+            if failure is not None:
+                outputs.append(self.abort(seq.request_id, None, error=failure))
                 continue
             if not req.sample or token is None:
                 continue
-            seq.token_ids.append(token)
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                # NOTE: the mask allowed only tokens the grammar accepts; this is a bug.
-                outputs.append(self._finish(seq, None, error="the grammar refused the sampled "
-                                            "token"))
-                continue
-            if seq.first_token_at is None:
-                seq.first_token_at = now
+            # NOTE: the choices fork before choice 0 takes its token: its first may end it,
+            # freeing its blocks.
+            children = self._fork(seq, req.fork_grammars) if forks else []
+            outputs.append(self._advance(seq, token, ran, index, now))
+            outputs += [self._advance(child, forks.sampled[k], forks, k, now)
+                        for k, child in enumerate(children)]
+        return [out for out in outputs if out is not None]
+
+    def _advance(self, seq: Sequence, token: int, ran: RunnerOutput, index: int,
+                 now: float) -> RequestOutput | None:
+        """Appends a sampled token (``ran``'s row ``index``); what it adds to the output."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return None  # another choice's failure ended the request
+        seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # NOTE: the mask allowed only tokens the grammar accepts; this is a bug.
+            return self.abort(seq.request_id, None, error="the grammar refused the sampled token")
+        seq.cumulative_logprob += ran.sampled_logprob_of(index) or 0.0
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            if seq.index == 0:  # a request's first token, whatever its n
                 self.metrics.ttft.observe(now - seq.arrival)
-            else:
-                self.metrics.itl.observe(now - seq.last_token_at)
-            seq.last_token_at = now
-            stop_token = token in seq.params.stop_token_ids
-            # NOTE: a stop token id ends the output like EOS: counted, not in the text, and
-            # neither has logprobs (the client sees no token for them).
-            text = seq.detokenizer.add_token(token) if seq.detokenizer and not stop_token \
-                else ""
-            hidden = stop_token or (token in self.eos_token_ids and not seq.params.ignore_eos)
-            logprobs = None if hidden else ran.logprobs_of(index)
-            reason = self._stop_reason(seq, token)
-            if reason is None:
-                outputs.append(RequestOutput(
-                    seq.request_id, text_delta=text, token_ids=[token],
-                    logprobs=None if logprobs is None else [logprobs]))
-            else:
-                if seq.detokenizer:
-                    text += seq.detokenizer.flush()
-                out = self._finish(seq, reason, text=text, token_ids=[token])
-                out.logprobs = None if logprobs is None else [logprobs]
-                outputs.append(out)
-        return outputs
+        else:
+            self.metrics.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        stop_token = token in seq.params.stop_token_ids
+        # NOTE: a stop token id ends the output like EOS: counted, not in the text, and
+        # neither has logprobs (the client sees no token for them).
+        text = seq.detokenizer.add_token(token) if seq.detokenizer and not stop_token else ""
+        hidden = stop_token or (token in self.eos_token_ids and not seq.params.ignore_eos)
+        logprobs = None if hidden else ran.logprobs_of(index)
+        reason = self._stop_reason(seq, token)
+        if reason is None:
+            return RequestOutput(seq.reported_id, text_delta=text, token_ids=[token],
+                                 logprobs=None if logprobs is None else [logprobs],
+                                 index=seq.index)
+        if seq.detokenizer:
+            text += seq.detokenizer.flush()
+        out = self._finish(seq, reason, text=text, token_ids=[token])
+        out.logprobs = None if logprobs is None else [logprobs]
+        return out
+
+    def _fork(self, parent: Sequence, grammars: list) -> list[Sequence]:
+        """Choices 1..n-1 of ``parent``'s request, sharing its prompt's KV blocks."""
+        group = parent.group
+        children = [parallel.fork(parent, i, grammars[i - 1] if grammars else None)
+                    for i in range(1, group.n)]
+        for child in children:
+            self.kv.fork(parent, child)
+            if child.adapter_hash is not None:
+                child.adapter_slot = self.slots.acquire(child.adapter_hash)
+            self.sequences[child.request_id] = child
+            self.running.append(child)
+        group.members += children
+        group.forked = True
+        return children
 
     # -- helpers --------------------------------------------------------------------------
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledRequest:
         start = seq.num_computed_tokens
+        fork_seeds, fork_grammars = parallel.forks_due(seq, start + n == seq.num_tokens)
         return ScheduledRequest(
             request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
             block_table=self.kv.block_table(seq), sample=start + n == seq.num_tokens,
             sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
             adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash,
             history=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            grammar=seq.grammar)
+            grammar=seq.grammar, fork_seeds=fork_seeds, fork_grammars=fork_grammars)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""
@@ -245,6 +286,41 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str | None, *, text: str = "",
                 token_ids: list[int] | None = None, error: str | None = None) -> RequestOutput:
+        """Ends one sequence: the request's final output, or, while other choices of it
+        run, this choice's last delta."""
+        self._release(seq, reason)
+        group = seq.group
+        if group is None:
+            self.metrics.record_finish(reason or "error")
+            return RequestOutput(seq.request_id, text_delta=text, token_ids=token_ids or [],
+                                 finished=True, finish_reason=reason, usage=usage_of(seq),
+                                 error=error)
+        if group.running:
+            return RequestOutput(group.request_id, text_delta=text, token_ids=token_ids or [],
+                                 index=seq.index)
+        return self._final(group, group.members[0].finish_reason, error, index=seq.index,
+                           text=text, token_ids=token_ids)
+
+    def _end_group(self, group: parallel.ParallelGroup, reason: str | None,
+                   error: str | None) -> RequestOutput:
+        """Ends every choice of a request at once (abort, deadline, error)."""
+        for seq in group.members:
+            if not seq.finished:
+                self._release(seq, reason)
+        return self._final(group, reason, error)
+
+    def _final(self, group: parallel.ParallelGroup, reason: str | None, error: str | None, *,
+               index: int = 0, text: str = "", token_ids: list[int] | None = None
+               ) -> RequestOutput:
+        del self.groups[group.request_id]
+        self.metrics.record_finish(reason or "error")
+        return RequestOutput(group.request_id, text_delta=text, token_ids=token_ids or [],
+                             finished=True, finish_reason=reason,
+                             usage=usage_of(group.members[0]), error=error, index=index,
+                             choices=group.choices(reason))
+
+    def _release(self, seq: Sequence, reason: str | None) -> None:
+        """Takes a sequence out of the queues and gives back its KV blocks and slot."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -252,17 +328,18 @@ class Scheduler:
         self.kv.free(seq)
         self._release_slot(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
         del self.sequences[seq.request_id]
-        self.metrics.record_finish(reason or "error")
-        return RequestOutput(seq.request_id, text_delta=text, token_ids=token_ids or [],
-                             finished=True, finish_reason=reason, usage=usage_of(seq),
-                             error=error)
 
 
 def usage_of(seq: Sequence) -> Usage:
+    """A request's usage: its prompt counted once, the output of every choice."""
+    members = seq.group.members if seq.group is not None else [seq]
+    seq = members[0]
     now = time.monotonic()
     return Usage(
-        prompt_tokens=seq.num_prompt_tokens_done, completion_tokens=seq.num_output_tokens,
+        prompt_tokens=seq.num_prompt_tokens_done,
+        completion_tokens=sum(m.num_output_tokens for m in members),
         cached_tokens=seq.num_cached_tokens,
         queue_s=(seq.scheduled_at or now) - seq.arrival,
         ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,

@@ -35,7 +35,13 @@ class Sequence:
     # Structured output: its grammar state (engine/grammar.py), advanced with each token.
     # NOTE: preemption recomputes the KV of every token kept, so the state stays valid.
     grammar: Any = None
+    # n > 1: the request's choices (engine/parallel.py), this one's index among them, and
+    # the sum of the raw logprobs of its sampled tokens (for best_of).
+    group: Any = None
+    index: int = 0
+    cumulative_logprob: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # set when it finishes (None: an error)
     # Tokens whose KV is in the cache; the next step runs token_ids[num_computed_tokens:].
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache when the prompt was first scheduled.
@@ -48,6 +54,11 @@ class Sequence:
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+
+    @property
+    def reported_id(self) -> str:
+        """The id its outputs carry: the request's, for every choice of it."""
+        return self.request_id if self.group is None else self.group.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ from engine.lora.slots import AdapterSlots
 from engine.lora.store import AdapterStore, is_hash
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
+from engine.parallel import choices_of
 from engine.scheduler import usage_of
 from engine.sequence import Sequence
 
@@ -94,7 +95,8 @@ class AdapterLifecycle:
                 if seq.request_id == request_id:
                     seqs.remove(seq)
                     return RequestOutput(request_id, finished=True, finish_reason=reason,
-                                         usage=usage_of(seq))
+                                         usage=usage_of(seq),
+                                         choices=choices_of(seq, reason))
         return None
 
     def loaded(self, *, idle: bool) -> tuple[list[Sequence], list[RequestOutput]]:
@@ -113,7 +115,8 @@ class AdapterLifecycle:
             for seq in [s for s in seqs if s.deadline is not None and now >= s.deadline]:
                 seqs.remove(seq)
                 outputs.append(RequestOutput(seq.request_id, finished=True, usage=usage_of(seq),
-                                             finish_reason=protocol.FINISH_DEADLINE))
+                                             finish_reason=protocol.FINISH_DEADLINE,
+                                             choices=choices_of(seq, protocol.FINISH_DEADLINE)))
         for adapter_hash, reason in failed:
             for seq in self._loading.pop(adapter_hash, []):
                 outputs.append(RequestOutput(

@@ -294,3 +294,17 @@ def test_rollback_restores_the_mask(grammars: Grammars, vocab_size: int, stops):
     after = xgr.allocate_token_bitmask(1, vocab_size)
     state.fill(after, 0)
     assert len(tokens) == 6 and torch.equal(after, initial)
+
+
+def test_a_forked_state_starts_where_its_parent_is_and_moves_alone(grammars: Grammars,
+                                                                    vocab_size: int, stops):
+    state = grammars.state(grammars.submit(schema_spec(OBJECT)).result(timeout=30))
+    fork = state.fork()
+    initial = xgr.allocate_token_bitmask(1, vocab_size)
+    state.fill(initial, 0)
+    forked = xgr.allocate_token_bitmask(1, vocab_size)
+    fork.fill(forked, 0)
+    assert torch.equal(forked, initial)
+    greedy_decode(state, vocab_size, stops, seed=3, max_steps=6)
+    fork.fill(forked, 0)
+    assert torch.equal(forked, initial)  # the parent's tokens did not move the fork

@@ -99,3 +99,51 @@ def test_disabled_prefix_caching_never_hits():
     prompt = list(range(10, 30))
     _run_prompt(kv, seq(prompt=prompt))
     assert kv.get_computed_blocks(seq(prompt=prompt)) == ([], 0)
+
+
+def _forked(kv: KVCacheManager, prompt_len: int):
+    parent = seq(prompt_len)
+    _run_prompt(kv, parent)
+    child = seq(prompt=parent.token_ids)
+    child.num_computed_tokens = parent.num_computed_tokens
+    kv.fork(parent, child)
+    return parent, child
+
+
+def test_a_fork_shares_every_block_of_the_parent():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent, child = _forked(kv, 10)  # two full blocks and one holding 2 tokens
+    assert kv.block_table(child) == kv.block_table(parent)
+    assert [b.ref_cnt for b in kv.tables[parent.request_id]] == [2, 2, 2]
+    assert child.block_hashes == parent.block_hashes and len(child.block_hashes) == 2
+    assert kv.num_free_blocks == 5
+
+
+def test_writing_into_a_shared_partial_block_copies_it_first():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent, child = _forked(kv, 10)
+    shared = kv.block_table(parent)
+    assert kv.allocate_slots(child, 1)
+    table = kv.block_table(child)
+    assert table[:2] == shared[:2] and table[2] != shared[2]
+    assert kv.take_copies() == [(shared[2], table[2])]
+    assert kv.allocate_slots(parent, 1)  # the last holder writes in place
+    assert kv.block_table(parent) == shared and kv.take_copies() == []
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks == 8
+
+
+def test_a_copy_the_pool_cannot_hold_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    parent, child = _forked(kv, 10)
+    assert not kv.allocate_slots(child, 1)
+    assert kv.block_table(child) == kv.block_table(parent) and kv.take_copies() == []
+
+
+def test_a_whole_block_prompt_is_never_copied():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent, child = _forked(kv, 8)
+    assert kv.allocate_slots(child, 1) and kv.allocate_slots(parent, 1)
+    assert kv.take_copies() == []
+    assert kv.block_table(child)[:2] == kv.block_table(parent)[:2]

@@ -50,3 +50,10 @@ def test_a_missing_field_is_a_value_error_naming_it():
     del raw["tenant_id"]
     with pytest.raises(ValueError, match="lacks tenant_id"):
         protocol.EngineRequest.decode({"data": json.dumps(raw)})
+
+
+def test_n_defaults_to_one_and_travels():
+    assert protocol.SamplingSpec(max_tokens=1).n == 1
+    raw = json.loads(_request().encode()["data"])
+    raw["sampling"]["n"] = 3
+    assert protocol.EngineRequest.decode({"data": json.dumps(raw)}).sampling.n == 3
