@@ -32,6 +32,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat; completions take as many (vLLM allows 20 too)
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16  # choices (n, best_of) per request
 MAX_NESTING = 32  # JSON arrays/objects inside one another; a JSON schema needs a few levels
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -215,7 +216,7 @@ class CommonBody(Strict):
     user: Text | None = None
     store: bool | None = None
     metadata: Annotated[Any, AfterValidator(_metadata)] = None
-    n: Annotated[int, _only((1,), "only n=1 is supported")] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     # Extensions vLLM serves under the same names.
@@ -239,9 +240,10 @@ class CompletionBody(CommonBody):
     prompt: Any
     # The sampled token's logprob and this many of the most likely at each position.
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Annotated[bool, _only((False,), "echo is not supported")] | None = None
-    best_of: Annotated[int, _only((1,), "only best_of=1 is supported")] | None = None
-    suffix: Annotated[Any, _only((), "suffix is not supported")] = None
+    echo: bool | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    suffix: Annotated[Any, _only((), "suffix needs a fill-in-the-middle model; this model "
+                                 "has none")] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -311,6 +313,9 @@ class GenerationParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    n: int = 1  # choices returned
+    best_of: int = 1  # choices generated (completions): the n most likely are returned
+    echo: bool = False  # completions: the prompt comes back before the completion
     # Structured output, as the engine takes it: {"type": "json_object"} or
     # {"type": "json_schema", "schema": {...}}; None: free text.
     grammar: dict[str, Any] | None = None
@@ -370,13 +375,23 @@ def _params(body: CommonBody, max_tokens: int | None, max_tokens_param: str,
         else float(body.repetition_penalty),
         logit_bias=dict(body.logit_bias or {}), min_tokens=body.min_tokens or 0,
         ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []),
-        logprobs=logprobs)
+        logprobs=logprobs, n=body.n or 1, best_of=body.n or 1)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
     parsed = _validate(CompletionBody, body)
-    return CompletionRequest(params=_params(parsed, parsed.max_tokens, "max_tokens",
-                                            parsed.logprobs), prompt=parsed.prompt)
+    params = _params(parsed, parsed.max_tokens, "max_tokens", parsed.logprobs)
+    params.best_of, params.echo = parsed.best_of or params.n, bool(parsed.echo)
+    if params.best_of < params.n:
+        raise InvalidRequest("'best_of' must be at least 'n'", param="best_of",
+                             code="invalid_value")
+    if params.best_of > params.n and params.stream:
+        raise InvalidRequest("'best_of' larger than 'n' cannot be streamed", param="best_of",
+                             code="invalid_value")
+    if params.echo and params.logprobs is not None:
+        raise InvalidRequest("'echo' with 'logprobs' (the prompt's logprobs) is not supported",
+                             param="echo", code="unsupported_parameter")
+    return CompletionRequest(params=params, prompt=parsed.prompt)
 
 
 def parse_chat(body: Any) -> ChatRequest:

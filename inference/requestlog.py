@@ -55,7 +55,8 @@ class Trace:
         self.status: int | None = None
         self.error_code = ""
         self.finish_reason = ""
-        self.parts: list[str] = []
+        # Each choice's text (and tool calls), by index: the log keeps every choice.
+        self.parts: dict[int, list[str]] = {}
         self._streamed = False
         self._submitted = False
 
@@ -69,13 +70,24 @@ class Trace:
             else:
                 self.status, self.error_code = 500, "internal_error"
 
-    def _tool_call(self, call: dict[str, Any]) -> None:
-        """A tool call, whole or as a stream's opening and argument fragments: logged after
-        the content as ``[tool_call <name>] <arguments>``, redacted like it."""
-        function = call.get("function") or {}
-        if function.get("name"):
-            self.parts.append(f"\n[tool_call {function['name']}] ")
-        self.parts.append(function.get("arguments") or "")
+    def _add(self, choice: dict[str, Any], text: str | None) -> None:
+        """One choice's text and tool calls, whole or streamed. A call is logged after the
+        content as ``[tool_call <name>] <arguments>``, redacted like it."""
+        parts = self.parts.setdefault(int(choice.get("index") or 0), [])
+        if text:
+            parts.append(text)
+        body = choice.get("message") or choice.get("delta") or {}
+        for call in body.get("tool_calls") or ():
+            function = call.get("function") or {}
+            if function.get("name"):
+                parts.append(f"\n[tool_call {function['name']}] ")
+            parts.append(function.get("arguments") or "")
+
+    def _completion(self) -> str:
+        """Every choice's text; with several, each under a ``[choice i]`` line."""
+        if len(self.parts) <= 1:
+            return "".join(next(iter(self.parts.values()), []))
+        return "\n".join(f"[choice {i}]\n" + "".join(self.parts[i]) for i in sorted(self.parts))
 
     def cancel(self) -> None:
         if self.status is None:
@@ -83,12 +95,12 @@ class Trace:
 
     def completed(self, response: dict[str, Any]) -> None:
         """A whole (non-streamed) response object."""
-        choice = (response.get("choices") or [{}])[0]
-        text = choice["message"]["content"] if "message" in choice else choice.get("text")
-        self.parts = [text or ""]
-        for call in (choice.get("message") or {}).get("tool_calls") or ():
-            self._tool_call(call)
-        self.finish_reason = choice.get("finish_reason") or ""
+        self.parts = {}
+        for choice in response.get("choices") or ():
+            text = choice["message"]["content"] if "message" in choice else choice.get("text")
+            self._add(choice, text or "")
+        first = (response.get("choices") or [{}])[0]
+        self.finish_reason = first.get("finish_reason") or ""
         if self.status is None:
             self.status = 200
 
@@ -107,11 +119,8 @@ class Trace:
                     for choice in chunk.get("choices") or ():
                         text = (choice.get("delta") or {}).get("content") \
                             if "delta" in choice else choice.get("text")
-                        if text:
-                            self.parts.append(text)
-                        for call in (choice.get("delta") or {}).get("tool_calls") or ():
-                            self._tool_call(call)
-                        if choice.get("finish_reason"):
+                        self._add(choice, text)
+                        if choice.get("finish_reason") and not choice.get("index"):
                             self.finish_reason = choice["finish_reason"]
                     yield chunk
             if self.status is None:
@@ -207,7 +216,7 @@ class Trace:
             ttft_ms=_ms(usage.get("ttft_s")), total_ms=_ms(usage.get("total_s")),
             latency_ms=self._latency_ms, created_at=self.started_at,
             prompt=self._prompt() if bodies else None,
-            completion=("".join(self.parts) if (self.parts or self.status == 200) else None)
+            completion=(self._completion() if (self.parts or self.status == 200) else None)
             if bodies else None)
 
 

@@ -6,6 +6,7 @@ cleanup (``service.close``): the engine's work stopped, its usage awaited, quota
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
@@ -196,69 +197,95 @@ class _ChunkWriter:
                 "system_fingerprint": None, "choices": [], "usage": usage}
 
 
+def _final_reasons(data: dict[str, Any]) -> dict[int, tuple[str, float]]:
+    """Each choice's finish reason and cumulative logprob from the final event (one choice:
+    its ``finish_reason``)."""
+    reasons = defaultdict(lambda: (data["finish_reason"], 0.0))
+    for c in data.get("choices") or ():
+        reasons[int(c["index"])] = (c["finish_reason"], float(c.get("cumulative_logprob") or 0))
+    return reasons
+
+
 async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
                         admission: quota.Admission | None = None
                         ) -> AsyncIterator[dict[str, Any]]:
     """OpenAI stream chunks; cancels the engine's work if the consumer goes away."""
     writer = _ChunkWriter(prepared)
-    choice = _Choice(prepared)
+    choices = {i: _Choice(prepared, i) for i in range(prepared.params.n)}
     try:
-        if prepared.kind == "chat":
-            yield writer.chunk(role=True)
+        for i in choices:
+            if prepared.kind == "chat":
+                yield writer.chunk(role=True, index=i)
+            elif prepared.echo:
+                yield writer.chunk(text=prepared.echo, index=i)
         async for event in dispatch.events():
             if event.type == protocol.EV_DELTA:
+                choice = choices[int(event.data.get("index", 0))]
                 logprobs = choice.logprobs_of(event.data)
-                for chunk in _chunks(writer, choice.add(event.data), logprobs):
+                for chunk in _chunks(writer, choice, choice.add(event.data), logprobs):
                     yield chunk
             elif event.is_final:
                 raise_for_final(event)
-                for chunk in _chunks(writer, choice.finish(), None):
-                    yield chunk
-                yield writer.chunk(finish_reason=choice.finish_reason(
-                    event.data["finish_reason"]),
-                    text="" if prepared.kind == "completion" else None)
+                reasons = _final_reasons(event.data)
+                for i, choice in choices.items():
+                    for chunk in _chunks(writer, choice, choice.finish(), None):
+                        yield chunk
+                    yield writer.chunk(finish_reason=choice.finish_reason(reasons[i][0]),
+                                       text="" if prepared.kind == "completion" else None,
+                                       index=i)
                 if prepared.params.include_usage:
                     yield writer.usage_chunk(usage_object(event.data.get("usage") or {}))
     finally:
         await close(prepared, dispatch, admission)
 
 
-def _chunks(writer: _ChunkWriter, deltas: list[Delta], logprobs: dict[str, Any] | None
-            ) -> list[dict[str, Any]]:
+def _chunks(writer: _ChunkWriter, choice: _Choice, deltas: list[Delta],
+            logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The chunks for one event: its content (with its tokens' logprobs, sent even when the
     text is held back), then each tool-call delta."""
     text = "".join(d.content for d in deltas if d.content)
     out = []
     if text or logprobs is not None:
-        out.append(writer.chunk(text=text, logprobs=logprobs))
-    out.extend(writer.chunk(tool_calls=[d.tool_call]) for d in deltas if d.tool_call)
+        out.append(writer.chunk(text=text, logprobs=logprobs, index=choice.index))
+    out.extend(writer.chunk(tool_calls=[d.tool_call], index=choice.index)
+               for d in deltas if d.tool_call)
     return out
 
 
 async def collect(prepared: Prepared, dispatch: Dispatch,
                   admission: quota.Admission | None = None) -> dict[str, Any]:
-    """The whole (non-streaming) response object."""
-    choice = _Choice(prepared)
+    """The whole (non-streaming) response object. With ``best_of``, the ``n`` choices of
+    the highest cumulative logprob, renumbered from 0."""
+    choices = {i: _Choice(prepared, i) for i in range(prepared.params.best_of)}
     try:
         async for event in dispatch.events():
             if event.type == protocol.EV_DELTA:
+                choice = choices[int(event.data.get("index", 0))]
                 choice.logprobs_of(event.data)
                 choice.add(event.data)
             elif event.is_final:
                 raise_for_final(event)
-                choice.finish()
+                for choice in choices.values():
+                    choice.finish()
                 final = event
     finally:
         await close(prepared, dispatch, admission)
-    reason = choice.finish_reason(final.data["finish_reason"])
-    if prepared.kind == "chat":
-        body = {"index": 0, "message": choice.message(), "logprobs": choice.logprobs(),
-                "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        body = {"text": choice.text, "index": 0, "logprobs": choice.logprobs(),
-                "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": prepared.response_id, "object": obj, "created": prepared.created,
-            "model": prepared.model_id, "system_fingerprint": None, "choices": [body],
+    reasons = _final_reasons(final.data)
+    kept = sorted(choices, key=lambda i: -reasons[i][1])[:prepared.params.n] \
+        if prepared.params.best_of > prepared.params.n else sorted(choices)
+    return {"id": prepared.response_id,
+            "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
+            "created": prepared.created, "model": prepared.model_id, "system_fingerprint": None,
+            "choices": [_choice_object(prepared, choices[i], index, reasons[i][0])
+                        for index, i in enumerate(kept)],
             "usage": usage_object(final.data.get("usage") or {})}
+
+
+def _choice_object(prepared: Prepared, choice: _Choice, index: int,
+                   engine_reason: str) -> dict[str, Any]:
+    reason = choice.finish_reason(engine_reason)
+    if prepared.kind == "chat":
+        return {"index": index, "message": choice.message(), "logprobs": choice.logprobs(),
+                "finish_reason": reason}
+    return {"text": prepared.echo + choice.text, "index": index,
+            "logprobs": choice.logprobs(), "finish_reason": reason}

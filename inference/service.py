@@ -67,6 +67,7 @@ class Prepared:
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
     tools: ToolRequest | None = None  # tools the model may call, and how
+    echo: str = ""  # completions with echo: the prompt's text, sent before each completion
 
     @property
     def response_id(self) -> str:
@@ -213,8 +214,13 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         priority=principal.priority,
         deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
     )
+    echo = ""
+    if params.echo:
+        echo = parsed.prompt if isinstance(parsed.prompt, str) else \
+            model.tokenizer.decode(prompt_ids, skip_special_tokens=False)
     return Prepared(kind=kind, created=created, model=model, adapter=adapter, params=params,
-                    engine_request=engine_request, principal=principal, tools=tools)
+                    engine_request=engine_request, principal=principal, tools=tools,
+                    echo=echo)
 
 
 def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
@@ -225,7 +231,7 @@ def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
         min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
-        logprobs=params.logprobs, grammar=params.grammar)
+        logprobs=params.logprobs, grammar=params.grammar, n=params.best_of)
 
 
 def _check_token_controls(params: p.GenerationParams, model: ServedModel) -> None:
@@ -254,7 +260,9 @@ async def admit(prepared: Prepared) -> quota.Admission:
     request = prepared.engine_request
     admission = await quota.admit(
         async_client(), principal=prepared.principal, request_id=request.request_id,
-        prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+        # NOTE: every choice generated (best_of of them) may run to max_tokens.
+        prompt_tokens=len(request.prompt_token_ids),
+        max_tokens=request.sampling.max_tokens * prepared.params.best_of,
         lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S,
         spend_checked=True)  # by precheck(), which every caller runs first
     return admission

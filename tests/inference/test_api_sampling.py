@@ -132,3 +132,69 @@ def test_token_ids_past_the_vocabulary_are_refused(client, served_model, engine_
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=served_model, prompt="Once", max_tokens=10, **extra)
     assert err.value.body["param"] == param
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, served_model, engine_worker):
+    kwargs = dict(model=served_model, prompt="The quick brown fox", max_tokens=5,
+                  temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    echoed = client.completions.create(echo=True, **kwargs).choices[0].text
+    assert echoed == "The quick brown fox" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        echo=True, stream=True, **kwargs) if c.choices)
+    assert streamed == echoed
+
+
+def test_n_choices_are_distinct_at_temperature_1_and_billed_once_for_the_prompt(
+        client, served_model, engine_worker):
+    kwargs = dict(model=served_model, messages=[{"role": "user", "content": "Hello"}],
+                  max_tokens=12, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    one = client.chat.completions.create(**kwargs)
+    four = client.chat.completions.create(n=4, **kwargs)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert len({c.message.content for c in four.choices}) == 4
+    assert four.choices[0].message.content == one.choices[0].message.content
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens
+    assert four.usage.completion_tokens == 4 * 12
+    streamed: dict[int, str] = {}
+    finishes = {}
+    for chunk in client.chat.completions.create(n=4, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (
+                choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == {c.index: c.message.content for c in four.choices}
+    assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+
+
+def test_best_of_returns_the_most_likely_choices(client, served_model, engine_worker):
+    kwargs = dict(model=served_model, prompt="The sea", max_tokens=6, temperature=1.0,
+                  seed=3, logprobs=0, extra_body={"ignore_eos": True})
+    # The same seed gives the same choices whatever n: best_of=5 ranks these five.
+    many = client.completions.create(n=5, **kwargs).choices
+    best = client.completions.create(n=2, best_of=5, **kwargs)
+    ranked = sorted(many, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.usage.completion_tokens == 5 * 6  # every choice generated is billed
+
+
+def test_the_request_log_keeps_every_choice(client, served_model, engine_worker, tenant_key):
+    from requestlogs.services import log_policy_update
+    from tenants.access import SYSTEM
+    from tenants.models import Tenant
+    from tests.requestlogs.conftest import wait_for_logs
+
+    log_policy_update(tenant=Tenant.objects.get(pk=tenant_key.tenant_id), actor=SYSTEM,
+                      log_bodies=True)
+    res = client.chat.completions.create(
+        model=served_model, messages=[{"role": "user", "content": "Hello"}], n=3,
+        max_tokens=6, temperature=1.0, seed=1, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in res:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    [entry] = wait_for_logs(1)
+    assert entry.completion == "\n".join(f"[choice {i}]\n{texts[i]}" for i in range(3))
+    assert 3 <= entry.completion_tokens <= 18

@@ -27,7 +27,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"stop": [""]}, "stop"),
     ({"stop": 7}, "stop"),
     ({"seed": 1.5}, "seed"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
@@ -161,16 +161,34 @@ def test_a_malformed_message_is_a_400_naming_the_field_inside_it(message, param,
     assert (refused.value.param, refused.value.code) == (param, code)
 
 
-def test_the_fields_clients_send_back_inside_messages_are_accepted_and_ignored():
+def test_tool_turns_reach_the_template_and_sdk_extras_are_ignored():
     replayed = {"role": "assistant", "content": None, "refusal": None, "name": "bot",
-                "tool_calls": [{"id": "c1", "type": "function",
-                                "function": {"name": "f", "arguments": "{}"}}]}
+                "annotations": [], "audio": None, "parsed": None,
+                "tool_calls": [{"id": "c1", "type": "function", "index": 0,
+                                "function": {"name": "f", "arguments": "{}",
+                                             "parsed_arguments": {}}}]}
     req = parse_chat({"model": "m", "messages": [
         {"role": "user", "content": "hi"}, replayed,
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
-    assert req.messages == [{"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": ""},
-                            {"role": "tool", "content": "42"}]
+    assert req.messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+
+
+def test_n_best_of_and_echo_are_parsed_and_checked():
+    completion = {"model": "m", "prompt": "x"}
+    p = parse_completion({**completion, "n": 3, "best_of": 5, "echo": True}).params
+    assert (p.n, p.best_of, p.echo) == (3, 5, True)
+    assert parse_chat({**CHAT, "n": 4}).params.best_of == 4
+    for extra, param in (({"n": 2, "best_of": 1}, "best_of"),
+                         ({"best_of": 2, "stream": True}, "best_of"),
+                         ({"echo": True, "logprobs": 1}, "echo"),
+                         ({"n": 17}, "n"), ({"suffix": "x"}, "suffix")):
+        with pytest.raises(InvalidRequest) as refused:
+            parse_completion({**completion, **extra})
+        assert refused.value.param == param
 
 
 @pytest.mark.parametrize("patch, param", [

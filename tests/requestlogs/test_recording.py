@@ -115,7 +115,7 @@ def test_a_request_carrying_ids_no_tokenizer_knows_is_still_logged(
 
 
 @pytest.mark.parametrize("body, status, code", [
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400,
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400,
      "invalid_value"),
     ({"model": "gpt-AKIAIOSFODNN7EXAMPLE", "messages": [{"role": "user", "content": "x"}]},
      404, "model_not_found"),
