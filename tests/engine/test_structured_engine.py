@@ -117,3 +117,26 @@ def test_preempted_constrained_sequences_resume_their_grammar(tiny_model_dir):
             jsonschema.validate(json.loads(text(outs)), CLOSED)
         else:  # cut at max_tokens: still a prefix the grammar allowed
             assert outs[-1].finish_reason == "length"
+
+
+def test_a_constrained_adapter_request_shares_the_batch_with_plain_and_base_rows(
+        tiny_model_dir, tmp_path):
+    from lora_testing import peft_greedy, train_adapter
+
+    from engine.lora.store import AdapterStore
+
+    folder = train_adapter(tiny_model_dir, tmp_path / "adapter", seed=1)
+    adapter_hash = AdapterStore(tmp_path / "store").put(folder)
+    eng = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=256, block_size=16,
+                                 max_num_batched_tokens=256, adapter_store=tmp_path / "store"))
+    grammar = {"type": "json_schema", "schema": CLOSED}
+    eng.add_request(request("json", prompt(11), max_tokens=120, temperature=1.0, seed=1,
+                            grammar=grammar, adapter="a1", adapter_hash=adapter_hash))
+    eng.add_request(request("plain", prompt(12), max_tokens=10, adapter="a1",
+                            adapter_hash=adapter_hash))
+    eng.add_request(request("base", prompt(13), max_tokens=120, grammar=grammar))
+    outputs = drain(eng)
+    jsonschema.validate(json.loads(text(outputs["json"])), CLOSED)
+    jsonschema.validate(json.loads(text(outputs["base"])), CLOSED)
+    expected = peft_greedy(tiny_model_dir, folder, [prompt(12)], 10)[0]
+    assert [t for o in outputs["plain"] for t in o.token_ids] == expected
