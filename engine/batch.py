@@ -40,10 +40,13 @@ class ScheduledRequest:
     # Structured output: the sequence's grammar state (engine/grammar.py), which masks the
     # tokens it cannot accept; the runner reads it, the scheduler advances it.
     grammar: Any = None
-    # n > 1, the step choice 0 samples its first token: the seeds (and grammar states, with
-    # a grammar) of choices 1..n-1, whose first tokens are sampled from this row too.
+    # n > 1, the step a prompt's sequence samples its first token: the seeds (and grammar
+    # states, with a grammar) of its prompt's other choices, sampled from this row too.
     fork_seeds: list[int] = field(default_factory=list)
     fork_grammars: list[Any] = field(default_factory=list)
+    # A choice of a request with several (engine/parallel.py): the runner returns the raw
+    # logprob of each token it samples for the row (its choice's cumulative_logprob).
+    sampled_logprob: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -81,10 +84,10 @@ class RunnerOutput:
     sampled: list[int | SampleFailure | None]
     # Set for the rows whose request asked for logprobs.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # The raw log-probability of the sampled token, for rows of n > 1 requests (best_of).
+    # The raw log-probability of the sampled token, for rows that asked (sampled_logprob).
     sampled_logprobs: list[float | None] = field(default_factory=list)
-    # Row index -> the first tokens of choices 1..n-1 when that row forked (its request's
-    # fork_seeds), one row per choice in fork_seeds order.
+    # Row index -> the first tokens of the prompt's other choices when that row forked
+    # (its fork_seeds), one row per choice in fork_seeds order.
     forks: dict[int, RunnerOutput] = field(default_factory=dict)
 
     def logprobs_of(self, index: int) -> TokenLogprobs | None:

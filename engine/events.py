@@ -91,7 +91,7 @@ class EventWriter:
                 if out.logprobs is not None:
                     data["logprobs"] = [[lp.logprob, [list(pair) for pair in lp.top]]
                                         for lp in out.logprobs]
-                if self.open[out.request_id].request.sampling.n > 1:
+                if self.open[out.request_id].request.num_choices > 1:
                     data["index"] = out.index
                 self._append(batch, out.request_id, protocol.EV_DELTA, data)
             if out.finished:

@@ -82,13 +82,21 @@ class Intake:
                                               "message": "the engine could not start this request"}
         if refusal is not None:
             event_type, data = refusal
-            n = request.sampling.n
-            if event_type == protocol.EV_FINISH and isinstance(n, int) and 1 < n <= MAX_N:
+            if event_type == protocol.EV_FINISH and _several_choices(request):
                 data["choices"] = [{"index": i, "finish_reason": data["finish_reason"],
-                                    "cumulative_logprob": 0.0} for i in range(n)]
+                                    "cumulative_logprob": 0.0}
+                                   for i in range(request.num_choices)]
             self.events.finish_unstarted(entry_id, rid, event_type, data)
         else:
             self.events.accept(entry_id, request, self.engine_id)
+
+
+def _several_choices(request: protocol.EngineRequest) -> bool:
+    """The request asks for more than one choice, within the limits (its final event lists
+    them)."""
+    n, extra = request.sampling.n, len(request.extra_prompts)
+    return 1 <= n <= MAX_N and extra <= protocol.MAX_EXTRA_PROMPTS and \
+        1 < request.num_choices <= protocol.MAX_CHOICES
 
 
 def _request_id_of(fields: Any) -> str | None:

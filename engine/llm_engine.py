@@ -84,12 +84,12 @@ class LLMEngine:
     def add_request(self, request: protocol.EngineRequest) -> None:
         params = SamplingParams.from_spec(request.sampling)
         params.min_tokens_masked = frozenset(self.eos_token_ids | set(params.stop_token_ids))
-        prompt = request.prompt_token_ids
-        self._check_prompt(prompt, params)
+        prompt, extra = request.prompt_token_ids, request.extra_prompts
+        self._check_prompts([prompt, *extra], params)
         adapter_hash = request.adapter_hash
         if adapter_hash is not None:
             self._check_adapter(request)
-        self._check_id(request.request_id, params.n)
+        self._check_id(request.request_id, (1 + len(extra)) * params.n)
         scope = "\0".join((request.tenant_id, request.cache_salt,
                            adapter_hash or request.adapter or ""))
         seq = Sequence(
@@ -99,8 +99,8 @@ class LLMEngine:
             cache_scope=scope.encode(), deadline=request.deadline,
             adapter_hash=adapter_hash,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
-        if params.n > 1:
-            parallel.start_group(seq, params.n)
+        if (1 + len(extra)) * params.n > 1:
+            parallel.start_group(seq, params.n, extra)
         if request.sampling.grammar is not None:
             self._compiling[seq.request_id] = (seq, self.grammars().submit(
                 request.sampling.grammar))
@@ -113,9 +113,9 @@ class LLMEngine:
         if seq.adapter_hash is None or self.adapters.hold(seq):
             self.scheduler.add(seq)
 
-    def _check_id(self, request_id: str, n: int) -> None:
+    def _check_id(self, request_id: str, num_choices: int) -> None:
         """Refuses (ValueError) a request id in use here, its choices' ids included."""
-        taken = [request_id] + [parallel.choice_id(request_id, i) for i in range(1, n)]
+        taken = [request_id] + [parallel.choice_id(request_id, i) for i in range(1, num_choices)]
         if any(self._holds(rid) for rid in taken):
             raise ValueError(f"request {request_id} is already in the engine")
         base, sep, _ = request_id.rpartition("#")
@@ -128,25 +128,42 @@ class LLMEngine:
             or request_id in self._compiling or (
                 self.adapters is not None and self.adapters.holds_request(request_id))
 
-    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """Refuses (ValueError) a prompt this engine could never run."""
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Refuses (ValueError) a request with more choices than allowed, or with a prompt
+        this engine could never run."""
+        if len(prompts) > 1 + protocol.MAX_EXTRA_PROMPTS:
+            raise ValueError(f"{len(prompts)} prompts exceed the "
+                             f"{1 + protocol.MAX_EXTRA_PROMPTS} a request may have")
+        if len(prompts) * params.n > protocol.MAX_CHOICES:
+            raise ValueError(f"{len(prompts)} prompts with n={params.n} make "
+                             f"{len(prompts) * params.n} choices; a request may have at most "
+                             f"{protocol.MAX_CHOICES}")
+        # NOTE: a prompt's n choices start running together; different prompts need not.
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} choices exceed the {self.config.max_num_seqs} "
                              f"sequences this engine runs at once")
+        for p, prompt in enumerate(prompts):
+            self._check_prompt(prompt, params, f"prompt {p}" if len(prompts) > 1 else "the prompt")
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams, what: str) -> None:
+        """Refuses (ValueError) a prompt (``what``) this engine could never run."""
+        if not isinstance(prompt, list):
+            raise ValueError(f"{what} must be an array of token ids")
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise ValueError(f"{what} is empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
                    for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+            raise ValueError(f"{what}'s token ids must be integers in [0, {self.vocab_size})")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context "
+            raise ValueError(f"{what} has {len(prompt)} tokens; this model's context "
                              f"holds {self.max_model_len} including the output")
         longest = min(len(prompt) + params.max_tokens, self.max_model_len)
         if self.kv.blocks_needed(longest) > self.kv.num_blocks:
             # NOTE: refused up front: a sequence that cannot fit alone would preempt itself
             # forever once it grew past the pool.
-            raise ValueError(f"{longest} tokens need more KV cache than this engine has "
-                             f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+            raise ValueError(f"{what} and its output, {longest} tokens, need more KV cache "
+                             f"than this engine has ({self.kv.num_blocks * self.kv.block_size} "
+                             f"tokens)")
 
     def _check_adapter(self, request: protocol.EngineRequest) -> None:
         """Refuses (ValueError) an adapter this engine could never apply."""
@@ -228,7 +245,8 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             try:
-                seq.grammar = self.grammars().state(compiling.result())
+                for prompt in parallel.prompts_of(seq):
+                    prompt.grammar = self.grammars().state(compiling.result())
             except Exception as exc:  # noqa: BLE001 - GrammarError: the client's schema
                 outputs.append(RequestOutput(
                     request_id, finished=True, usage=usage_of(seq),

@@ -179,8 +179,8 @@ def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest],
     if len(rows) > len(sampling):
         logits = logits[torch.tensor(source, device=logits.device)]  # [rows, vocab]
     tokens, logprobs = sample_batch(logits, rows)
-    # n > 1: the raw logprob of each sampled token, for the choice's cumulative logprob.
-    summed = [j for j, r in enumerate(rows) if r.sampling.n > 1 and isinstance(tokens[j], int)]
+    # The raw logprob of each sampled token, for the choice's cumulative logprob.
+    summed = [j for j, r in enumerate(rows) if r.sampled_logprob and isinstance(tokens[j], int)]
     chosen: list[float | None] = [None] * len(rows)
     if summed:
         index = torch.tensor(summed, device=logits.device)

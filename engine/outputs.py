@@ -41,8 +41,8 @@ class RequestOutput:
     usage: Usage | None = None  # set on the final output
     error: str | None = None  # set when the engine failed this request
     error_code: str | None = None  # protocol.ERROR_*; default: the worker's (engine_error)
-    # n > 1: the choice the text and tokens belong to; on the final output, how every
-    # choice ended ({"index", "finish_reason", "cumulative_logprob"} each).
+    # More than one choice: the choice the text and tokens belong to; on the final output,
+    # how every choice ended ({"index", "finish_reason", "cumulative_logprob"} each).
     index: int = 0
     choices: list[dict[str, Any]] | None = None
 

@@ -1,21 +1,27 @@
-"""Parallel sampling: one request, ``n`` choices, its prompt prefilled once.
+"""Several choices in one request: ``n`` samples of each of its prompts, each prompt
+prefilled once.
 
-The request's own sequence is choice 0 and runs the prompt alone. In the step where it
-samples its first token, the runner also samples the first token of choices 1..n-1 from
-that same logits row (``ScheduledRequest.fork_seeds``); the scheduler then forks each into
-a sequence of its own (``fork``), holding the prompt's KV blocks with choice 0
-(``KVCacheManager.fork``: copy-on-write). From there a choice is a sequence like any other:
-scheduled, preempted and finished on its own. The request ends when its last choice does;
-an error, abort or deadline ends all of them at once.
+Prompt p's sample i is choice ``k = p * n + i``. Each prompt has a sequence of its own
+from the start, choice p * n (prompt 0's is the request's own sequence), which runs the
+prompt alone; prompts share the request's tenant, adapter and prefix-cache scope. With
+n > 1, in the step where a prompt's sequence samples its first token, the runner also
+samples the first token of that prompt's other n - 1 choices from the same logits row
+(``ScheduledRequest.fork_seeds``); the scheduler then forks each into a sequence of its
+own (``fork``), holding the prompt's KV blocks with it (``KVCacheManager.fork``:
+copy-on-write). From there a choice is a sequence like any other: scheduled, preempted
+and finished on its own. The request ends when its last choice does; an error, abort or
+deadline ends all of them at once.
 
-NOTE: choice i samples exactly as an n=1 request seeded with ``choice_seed(seed, i)``
-(engine/seeds.py): its k-th token comes from the stream (choice_seed(seed, i), k), from
-logits of its own prompt and history alone, masked by a grammar state of its own.
+NOTE: choice k samples exactly as an n=1 request on its prompt seeded with
+``choice_seed(seed, k)`` (engine/seeds.py): its j-th token comes from the stream
+(choice_seed(seed, k), j), from logits of its own prompt and history alone, masked by a
+grammar state of its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from engine.batch import RunnerOutput, SampleFailure
@@ -31,48 +37,63 @@ def choice_id(request_id: str, index: int) -> str:
 
 @dataclass(slots=True, eq=False)
 class ParallelGroup:
-    """The choices of one n > 1 request."""
+    """The choices of one request with more than one: n per prompt."""
 
     request_id: str
-    seeds: list[int]  # choice i's seed
-    members: list[Sequence] = field(default_factory=list)  # choice i at i; only 0 until forked
-    forked: bool = False
+    n: int  # choices per prompt
+    seeds: list[int]  # choice k's seed
+    # Choice k at k: each prompt's sequence (at p * n) from the start, its other choices
+    # once it forks (None until then).
+    members: list[Sequence | None]
 
     @property
-    def n(self) -> int:
-        return len(self.seeds)
+    def prompts(self) -> list[Sequence]:
+        """Each prompt's own sequence, in prompt order."""
+        return self.members[::self.n]
+
+    def unforked(self, seq: Sequence) -> bool:
+        """``seq`` is a prompt's sequence whose other choices have yet to fork from it."""
+        return self.n > 1 and seq.index % self.n == 0 and self.members[seq.index + 1] is None
 
     @property
     def running(self) -> bool:
-        """Some choice has not finished."""
-        return not self.forked or any(not m.finished for m in self.members)
+        """Some choice has not finished (or not yet forked)."""
+        return any(m is None or not m.finished for m in self.members)
 
     def choices(self, reason: str | None) -> list[dict[str, Any]]:
         """How each choice ended; one still running, or never forked, ends with ``reason``."""
-        out = []
-        for index in range(self.n):
-            seq = self.members[index] if index < len(self.members) else None
-            out.append({"index": index,
-                        "finish_reason": seq.finish_reason if seq and seq.finished else reason,
-                        "cumulative_logprob": seq.cumulative_logprob if seq else 0.0})
-        return out
+        return [{"index": index,
+                 "finish_reason": seq.finish_reason if seq and seq.finished else reason,
+                 "cumulative_logprob": seq.cumulative_logprob if seq else 0.0}
+                for index, seq in enumerate(self.members)]
 
 
-def start_group(seq: Sequence, n: int) -> None:
-    """Makes ``seq`` choice 0 of an n-choice request (n > 1)."""
-    seq.group = ParallelGroup(seq.request_id, [choice_seed(seq.seed, i) for i in range(n)],
-                              [seq])
+def start_group(seq: Sequence, n: int, extra_prompts: Collection[list[int]] = ()) -> None:
+    """Makes ``seq`` (prompt 0) choice 0 of a request with n choices per prompt, and gives
+    each of ``extra_prompts`` a sequence of its own (n * prompts > 1)."""
+    size = n * (1 + len(extra_prompts))
+    group = ParallelGroup(seq.request_id, n, [choice_seed(seq.seed, k) for k in range(size)],
+                          [None] * size)
+    seq.group = group
+    group.members[0] = seq
+    for p, prompt in enumerate(extra_prompts, start=1):
+        group.members[p * n] = _sibling(seq, prompt, p * n)  # waiting, like seq
+
+
+def prompts_of(seq: Sequence) -> list[Sequence]:
+    """The sequences of each prompt of ``seq``'s request, in order: [seq] when it has one."""
+    return [seq] if seq.group is None else seq.group.prompts
 
 
 def choices_of(seq: Sequence, reason: str | None) -> list[dict[str, Any]] | None:
-    """The final event's choices for a request ended by ``reason`` (None when n == 1)."""
+    """The final event's choices for a request ended by ``reason`` (None with one choice)."""
     return None if seq.group is None else seq.group.choices(reason)
 
 
 def seats(seq: Sequence) -> int:
-    """Running sequences ``seq`` will take: n for a request that has not forked yet."""
+    """Running sequences ``seq`` will take: n for a prompt's that has not forked yet."""
     group = seq.group
-    return 1 if group is None or group.forked else group.n
+    return group.n if group is not None and group.unforked(seq) else 1
 
 
 def fork_failure(forks: RunnerOutput | None, expected: int) -> str | None:
@@ -86,33 +107,41 @@ def fork_failure(forks: RunnerOutput | None, expected: int) -> str | None:
 
 def forks_due(seq: Sequence, sample: bool) -> tuple[list[int], list[Any]]:
     """Seeds and grammar states of the choices that take their first token from this step's
-    row of ``seq``: choice 0's first sample, before anything forked.
+    row of ``seq``: a prompt's first sample, before its other choices forked.
 
-    NOTE: the states fork before choice 0 accepts a token, so each starts where it does.
+    NOTE: the states fork before ``seq`` accepts a token, so each starts where it does.
     """
     group = seq.group
-    if group is None or group.forked or not sample:
+    if group is None or not sample or not group.unforked(seq):
         return [], []
-    seeds = group.seeds[1:]
+    seeds = group.seeds[seq.index + 1:seq.index + group.n]
     grammars = [seq.grammar.fork() for _ in seeds] if seq.grammar is not None else []
     return seeds, grammars
 
 
 def fork(parent: Sequence, index: int, grammar: Any) -> Sequence:
-    """Choice ``index`` of ``parent``'s request, its prompt computed (its KV blocks are
-    the parent's), about to take its first token. ``parent`` has taken none yet."""
+    """Choice ``index`` of ``parent``'s prompt, the prompt computed (its KV blocks are the
+    parent's), about to take its first token. ``parent`` has taken none yet."""
     if parent.num_output_tokens or parent.num_uncomputed:
         raise ValueError("a choice forks from a sequence whose prompt just ran")
-    detok = parent.detokenizer
+    return _sibling(parent, parent.token_ids, index, grammar=grammar,
+                    status=SequenceStatus.RUNNING,
+                    num_computed_tokens=parent.num_computed_tokens,
+                    num_cached_tokens=parent.num_cached_tokens,
+                    num_prompt_tokens_done=parent.num_prompt_tokens_done,
+                    scheduled_at=parent.scheduled_at)
+
+
+def _sibling(seq: Sequence, token_ids: list[int], index: int, **state: Any) -> Sequence:
+    """Choice ``index`` of ``seq``'s request on ``token_ids`` (a prompt), as ``seq`` is
+    made: its params, tenant, scope, adapter and deadline; a detokenizer of its own."""
+    detok = seq.detokenizer
     return Sequence(
-        request_id=choice_id(parent.group.request_id, index), token_ids=list(parent.token_ids),
-        num_prompt_tokens=parent.num_prompt_tokens, params=parent.params,
-        seed=parent.group.seeds[index], tenant_id=parent.tenant_id, priority=parent.priority,
-        cache_scope=parent.cache_scope, deadline=parent.deadline,
+        request_id=choice_id(seq.group.request_id, index), token_ids=list(token_ids),
+        num_prompt_tokens=len(token_ids), params=seq.params, seed=seq.group.seeds[index],
+        tenant_id=seq.tenant_id, priority=seq.priority, cache_scope=seq.cache_scope,
+        deadline=seq.deadline,
         detokenizer=None if detok is None else IncrementalDetokenizer(
             detok.tokenizer, detok.stop, skip_special_tokens=detok.skip_special_tokens),
-        adapter_hash=parent.adapter_hash, grammar=grammar, group=parent.group, index=index,
-        status=SequenceStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
-        num_cached_tokens=parent.num_cached_tokens,
-        num_prompt_tokens_done=parent.num_prompt_tokens_done, arrival=parent.arrival,
-        scheduled_at=parent.scheduled_at)
+        adapter_hash=seq.adapter_hash, group=seq.group, index=index, arrival=seq.arrival,
+        **state)

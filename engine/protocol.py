@@ -86,9 +86,15 @@ class SamplingSpec:
     logprobs: int | None = None
     # Structured output: {"type": "json_object"} or {"type": "json_schema", "schema": {...}}.
     grammar: dict[str, Any] | None = None
-    # Choices to generate from the one prompt (1..16); with n > 1 deltas carry "index" and
-    # the finish event "choices".
+    # Choices to generate from each prompt (1..16); with more than one choice in all
+    # (n * prompts > 1) deltas carry "index" and the finish event "choices".
     n: int = 1
+
+
+# Several prompts in one request (OpenAI completions with a list of prompts): at most
+# this many after ``prompt_token_ids``, and at most MAX_CHOICES choices (n per prompt).
+MAX_EXTRA_PROMPTS = 15
+MAX_CHOICES = 64
 
 
 @dataclass(slots=True)
@@ -111,9 +117,17 @@ class EngineRequest:
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
     arrival: float = field(default_factory=time.time)
     version: int = PROTOCOL_VERSION
+    # Prompts 1..P-1, each run like ``prompt_token_ids`` (prompt 0); prompt p's sample i is
+    # choice p * n + i.
+    extra_prompts: list[list[int]] = field(default_factory=list)
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in all: n for each prompt."""
+        return (1 + len(self.extra_prompts)) * self.sampling.n
 
     @classmethod
     def decode(cls, fields: dict[Any, Any]) -> EngineRequest:
@@ -130,9 +144,9 @@ class EngineRequest:
 EV_ACCEPTED = "accepted"  # data: {"engine_id"}
 # data: {"text", "token_ids"}, and with logprobs asked for, "logprobs": one
 # [logprob, [[token_id, logprob], ...]] per token (the sampled token's, then the top k);
-# with n > 1, "index": the choice (absent: 0).
+# with more than one choice (num_choices > 1), "index": the choice (absent: 0).
 EV_DELTA = "delta"
-# data: {"finish_reason", "usage": {...}}, and with n > 1, "choices": one
+# data: {"finish_reason", "usage": {...}}, and with more than one choice, "choices": one
 # {"index", "finish_reason", "cumulative_logprob"} per choice; always the last event.
 EV_FINISH = "finish"
 EV_ERROR = "error"  # data: {"code", "message", "usage"}; always the last event

@@ -93,7 +93,8 @@ class Recovery:
             return
         made = sum(len(e.data.get("token_ids", [])) for e in events
                    if e.type == protocol.EV_DELTA)
-        usage = Usage(prompt_tokens=len(request.prompt_token_ids) if made else 0,
+        prompts = [request.prompt_token_ids, *request.extra_prompts]
+        usage = Usage(prompt_tokens=sum(map(len, prompts)) if made else 0,
                       completion_tokens=made)
         seq = events[-1].seq + 1 if events else len(raw)
         self.events.write_final(entry_id, request.request_id, protocol.Event(

@@ -66,6 +66,9 @@ class ReferenceEngine:
         if params.n != 1:
             raise ValueError(f"n={params.n}: the reference engine generates one choice per "
                              f"request")
+        if request.extra_prompts:
+            raise ValueError(f"{1 + len(request.extra_prompts)} prompts: the reference engine "
+                             f"runs one prompt per request")
         if request.sampling.grammar is not None:
             raise ValueError("response_format cannot be enforced: the reference engine "
                              "serves no grammars")

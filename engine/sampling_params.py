@@ -10,7 +10,7 @@ from engine import protocol
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are out
     stop_token_ids: list[int] = field(default_factory=list)  # end like EOS, not in the text
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
-    n: int = 1  # choices from the one prompt (engine/parallel.py)
+    n: int = 1  # choices from each prompt (engine/parallel.py)
     # Set by the engine: the tokens min_tokens holds back (its EOS ids and stop_token_ids).
     min_tokens_masked: frozenset[int] = frozenset()
 

@@ -10,8 +10,9 @@ Plain Python, no tensors. Each step the scheduler fills a token budget:
    whatever prefix of it the prefix cache already holds.
 
 ``postprocess`` takes the runner's sampled tokens, appends them, detokenizes, and
-decides who stopped. A request with n > 1 choices forks there, once its prompt has run
-(engine/parallel.py); its choices are sequences of their own from then on.
+decides who stopped. A request with several prompts queues a sequence for each; with
+n > 1 choices, each prompt's forks there once it has run (engine/parallel.py), and its
+choices are sequences of their own from then on.
 """
 
 from __future__ import annotations
@@ -45,20 +46,24 @@ class Scheduler:
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
-        self.groups: dict[str, parallel.ParallelGroup] = {}  # n > 1 requests, by request id
+        # Requests with more than one choice (engine/parallel.py), by request id.
+        self.groups: dict[str, parallel.ParallelGroup] = {}
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.sequences:
+        """Queues a new request: ``seq``, prompt 0's sequence, and those of its other prompts."""
+        prompts = parallel.prompts_of(seq)
+        if any(p.request_id in self.sequences for p in prompts):
             raise ValueError(f"request {seq.request_id} is already in the engine")
         if seq.adapter_hash is not None and self.slots is None:
             raise ValueError("this engine serves no LoRA adapters")
-        self.sequences[seq.request_id] = seq
         if seq.group is not None:
             self.groups[seq.request_id] = seq.group
-        self.waiting.push(seq)
+        for p in prompts:
+            self.sequences[p.request_id] = p
+            self.waiting.push(p)
 
     def abort(self, request_id: str, reason: str | None,
               error: str | None = None) -> RequestOutput | None:
@@ -131,7 +136,7 @@ class Scheduler:
         even one whose adapter is already in: else a busy adapter's stream of requests
         keeps every slot busy and the one waiting never gets one. Now a slot drains."""
         waiting_for_slot = False
-        seats = sum(parallel.seats(s) for s in self.running)  # an unforked request: n
+        seats = sum(parallel.seats(s) for s in self.running)  # an unforked prompt's: n
         for seq in self.waiting.candidates():
             if budget == 0 or seats + parallel.seats(seq) > self.max_num_seqs:
                 break
@@ -185,8 +190,8 @@ class Scheduler:
                 continue
             if not req.sample or token is None:
                 continue
-            # NOTE: the choices fork before choice 0 takes its token: its first may end it,
-            # freeing its blocks.
+            # NOTE: the choices fork before the prompt's sequence takes its token: its first
+            # may end it, freeing its blocks.
             children = self._fork(seq, req.fork_grammars) if forks else []
             outputs.append(self._advance(seq, token, ran, index, now))
             outputs += [self._advance(child, forks.sampled[k], forks, k, now)
@@ -205,7 +210,7 @@ class Scheduler:
         seq.cumulative_logprob += ran.sampled_logprob_of(index) or 0.0
         if seq.first_token_at is None:
             seq.first_token_at = now
-            if seq.index == 0:  # a request's first token, whatever its n
+            if seq.index == 0:  # a request's first token (its first prompt's)
                 self.metrics.ttft.observe(now - seq.arrival)
         else:
             self.metrics.itl.observe(now - seq.last_token_at)
@@ -228,18 +233,17 @@ class Scheduler:
         return out
 
     def _fork(self, parent: Sequence, grammars: list) -> list[Sequence]:
-        """Choices 1..n-1 of ``parent``'s request, sharing its prompt's KV blocks."""
-        group = parent.group
-        children = [parallel.fork(parent, i, grammars[i - 1] if grammars else None)
-                    for i in range(1, group.n)]
+        """The other n - 1 choices of ``parent``'s prompt, sharing its KV blocks."""
+        group, first = parent.group, parent.index + 1
+        children = [parallel.fork(parent, first + k, grammars[k] if grammars else None)
+                    for k in range(group.n - 1)]
         for child in children:
             self.kv.fork(parent, child)
             if child.adapter_hash is not None:
                 child.adapter_slot = self.slots.acquire(child.adapter_hash)
             self.sequences[child.request_id] = child
             self.running.append(child)
-        group.members += children
-        group.forked = True
+            group.members[child.index] = child
         return children
 
     # -- helpers --------------------------------------------------------------------------
@@ -253,7 +257,8 @@ class Scheduler:
             sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
             adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash,
             history=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-            grammar=seq.grammar, fork_seeds=fork_seeds, fork_grammars=fork_grammars)
+            grammar=seq.grammar, fork_seeds=fork_seeds, fork_grammars=fork_grammars,
+            sampled_logprob=seq.group is not None)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""
@@ -305,7 +310,7 @@ class Scheduler:
                    error: str | None) -> RequestOutput:
         """Ends every choice of a request at once (abort, deadline, error)."""
         for seq in group.members:
-            if not seq.finished:
+            if seq is not None and not seq.finished:
                 self._release(seq, reason)
         return self._final(group, reason, error)
 
@@ -333,14 +338,18 @@ class Scheduler:
 
 
 def usage_of(seq: Sequence) -> Usage:
-    """A request's usage: its prompt counted once, the output of every choice."""
-    members = seq.group.members if seq.group is not None else [seq]
-    seq = members[0]
-    now = time.monotonic()
+    """A request's usage: each prompt counted once, the output of every choice."""
+    prompts = parallel.prompts_of(seq)
+    members = [m for m in seq.group.members if m is not None] if seq.group else [seq]
+    arrival, now = prompts[0].arrival, time.monotonic()
+    scheduled = min((p.scheduled_at for p in prompts if p.scheduled_at is not None),
+                    default=now)
+    first_token = min((m.first_token_at for m in members if m.first_token_at is not None),
+                      default=None)
     return Usage(
-        prompt_tokens=seq.num_prompt_tokens_done,
+        prompt_tokens=sum(p.num_prompt_tokens_done for p in prompts),
         completion_tokens=sum(m.num_output_tokens for m in members),
-        cached_tokens=seq.num_cached_tokens,
-        queue_s=(seq.scheduled_at or now) - seq.arrival,
-        ttft_s=None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
-        total_s=now - seq.arrival)
+        cached_tokens=sum(p.num_cached_tokens for p in prompts),
+        queue_s=scheduled - arrival,
+        ttft_s=None if first_token is None else first_token - arrival,
+        total_s=now - arrival)

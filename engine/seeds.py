@@ -1,8 +1,9 @@
 """Random streams keyed by a request's seed alone, pure Python (splitmix64).
 
 Token k of a sequence is drawn from the stream ``stream_seed(seed, k)``, so a seeded request
-samples the same whatever shares its batch, and after a recompute. Choice i of an n > 1
-request (engine/parallel.py) has the seed ``choice_seed(seed, i)``.
+samples the same whatever shares its batch, and after a recompute. Choice k of a request
+with several (engine/parallel.py: prompt p's sample i is k = p * n + i) has the seed
+``choice_seed(seed, k)``.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ class Sequence:
     # Structured output: its grammar state (engine/grammar.py), advanced with each token.
     # NOTE: preemption recomputes the KV of every token kept, so the state stays valid.
     grammar: Any = None
-    # n > 1: the request's choices (engine/parallel.py), this one's index among them, and
-    # the sum of the raw logprobs of its sampled tokens (for best_of).
+    # More than one choice (n > 1, or several prompts): the request's choices
+    # (engine/parallel.py), this one's index among them, and the sum of the raw logprobs
+    # of its sampled tokens (for best_of).
     group: Any = None
     index: int = 0
     cumulative_logprob: float = 0.0

@@ -12,13 +12,14 @@ from engine import protocol
 
 
 def make_request(prompt: list[int], *, request_id: str | None = None, model: str = "tiny",
-                 deadline: float | None = None, **sampling) -> protocol.EngineRequest:
+                 deadline: float | None = None, extra_prompts: list[list[int]] | None = None,
+                 **sampling) -> protocol.EngineRequest:
     sampling.setdefault("max_tokens", 8)
     sampling.setdefault("temperature", 0.0)
     return protocol.EngineRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, prompt_token_ids=prompt,
-        sampling=protocol.SamplingSpec(**sampling), tenant_id="t1", deadline=deadline)
-
+        sampling=protocol.SamplingSpec(**sampling), tenant_id="t1", deadline=deadline,
+        extra_prompts=extra_prompts or [])
 
 
 def submit(client: redis.Redis, request: protocol.EngineRequest) -> bytes:
