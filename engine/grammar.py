@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,25 +104,52 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+@dataclass(slots=True)
+class FilledMasks:
+    """The token bitmasks of one step's constrained rows: [rows, ceil(vocab / 32)]."""
+
+    bitmask: torch.Tensor
+    rows: list[int]  # the rows that have a grammar
+
+
+def fill_bitmasks(states: Sequence[GrammarState | None], vocab_size: int
+                  ) -> FilledMasks | None:
+    """Each constrained row's mask of allowed tokens; None when no row has a grammar.
+
+    NOTE: the slow half of a grammar's cost, and xgrammar releases the GIL while it fills:
+    the model runner calls this on a thread while the forward pass runs.
+    """
+    constrained = [(row, state) for row, state in enumerate(states) if state is not None]
+    if not constrained:
+        return None
+    if any(state.vocab_size != vocab_size for _, state in constrained):
+        raise ValueError(f"logits are {vocab_size} wide, the grammars' vocabulary is not")
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)  # [rows, ceil(vocab / 32)]
+    for row, state in constrained:
+        state.fill(bitmask, row)
+    return FilledMasks(bitmask, [row for row, _ in constrained])
+
+
+def apply_bitmasks(logits: torch.Tensor, masks: FilledMasks | None) -> None:
+    """Sets every token a row's mask forbids to -inf, in place (``logits`` [rows, vocab])."""
+    if masks is None:
+        return
+    if logits.dim() != 2 or logits.shape[0] != masks.bitmask.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match "
+                         f"{masks.bitmask.shape[0]} masks")
+    xgr.apply_token_bitmask_inplace(logits, masks.bitmask.to(logits.device, non_blocking=True),
+                                    indices=masks.rows)
+
+
 def apply_grammars(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
     """Sets every token a row's grammar forbids to -inf, in place; rows with None stay as they are.
 
     ``logits`` is [rows, vocab]; its width must be the ``vocab_size`` the grammars were built
     for (the model's logits width, padding included: padded ids are never allowed).
     """
-    constrained = [(row, state) for row, state in enumerate(states) if state is not None]
-    if not constrained:
-        return
-    vocab_size = logits.shape[-1]
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
-    if any(state.vocab_size != vocab_size for _, state in constrained):
-        raise ValueError(f"logits are {vocab_size} wide, the grammars' vocabulary is not")
-    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)  # [rows, ceil(vocab / 32)]
-    for row, state in constrained:
-        state.fill(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    indices=[row for row, _ in constrained])
+    apply_bitmasks(logits, fill_bitmasks(states, logits.shape[-1]))
 
 
 class Grammars:

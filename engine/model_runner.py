@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +45,8 @@ class ModelRunner:
                                       dtype=self.dtype, device=self.device)
         load_weights(self.model, config.model_dir)
         self.model.eval()
+        self.vocab_size = model_config.vocab_size  # the logits' width
+        self._grammar_thread: ThreadPoolExecutor | None = None  # fills grammar masks
         self.lora = None if not enable_lora else LoRAManager(
             model_config, num_slots=config.max_loras, max_rank=config.max_lora_rank,
             dtype=self.dtype, device=self.device, use_triton=self.use_triton)
@@ -147,14 +150,30 @@ class ModelRunner:
         lora = None
         if any(slot >= 0 for slot in row_slots):
             lora = LoRABatch(self.lora, Segments.from_row_slots(row_slots, device))
+        sampling = [i for i in range(len(reqs)) if reqs[i].sample]
+        rows, source = _sampling_rows(reqs, sampling)
+        masks = self._fill_masks(rows)
         hidden = self.model(torch.tensor(token_ids, device=device),
                             torch.tensor(positions, device=device), self.kv_caches, meta, lora)
-        sampling = [i for i in range(len(reqs)) if reqs[i].sample]
         if not sampling:
             return RunnerOutput([None] * len(reqs))
-        rows = torch.tensor([last_row[i] for i in sampling], device=device)
-        logits = self.model.compute_logits(hidden[rows])  # [sampling rows, vocab]
-        return _sample(logits, reqs, sampling)
+        last = torch.tensor([last_row[i] for i in sampling], device=device)
+        logits = self.model.compute_logits(hidden[last])  # [sampling rows, vocab]
+        if len(rows) > len(sampling):
+            logits = logits[torch.tensor(source, device=device)]  # [rows, vocab]
+        return _sample(logits, reqs, sampling, rows, masks.result() if masks else None)
+
+    def _fill_masks(self, rows: list[ScheduledRequest]) -> Future | None:
+        """Starts filling the constrained rows' grammar masks on a thread, to overlap the
+        forward pass (xgrammar releases the GIL while it fills)."""
+        states = [r.grammar for r in rows]
+        if all(state is None for state in states):
+            return None
+        from engine.grammar import fill_bitmasks  # NOTE: xgrammar loads on first use only
+
+        if self._grammar_thread is None:
+            self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._grammar_thread.submit(fill_bitmasks, states, self.vocab_size)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each destination block gets its source's keys and values."""
@@ -165,10 +184,10 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
 
-def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest],
-            sampling: list[int]) -> RunnerOutput:
-    """Samples ``reqs[i]`` from ``logits[k]`` [len(sampling), vocab] for ``i = sampling[k]``,
-    and from the same row the first token of every choice a request forks."""
+def _sampling_rows(reqs: list[ScheduledRequest], sampling: list[int]
+                   ) -> tuple[list[ScheduledRequest], list[int]]:
+    """The rows sampled this step: ``reqs[i]`` for ``i`` in ``sampling``, then the first
+    token of every choice a request forks; and which logits row each reads."""
     rows, source = [reqs[i] for i in sampling], list(range(len(sampling)))
     for k, i in enumerate(sampling):
         req = reqs[i]
@@ -176,9 +195,14 @@ def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest],
         for seed, grammar in zip(req.fork_seeds, grammars, strict=True):
             rows.append(replace(req, seed=seed, grammar=grammar, fork_seeds=[], fork_grammars=[]))
             source.append(k)
-    if len(rows) > len(sampling):
-        logits = logits[torch.tensor(source, device=logits.device)]  # [rows, vocab]
-    tokens, logprobs = sample_batch(logits, rows)
+    return rows, source
+
+
+def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest], sampling: list[int],
+            rows: list[ScheduledRequest], masks: Any) -> RunnerOutput:
+    """Samples ``rows`` (``_sampling_rows``) from ``logits`` [len(rows), vocab], with the
+    grammar masks filled for them."""
+    tokens, logprobs = sample_batch(logits, rows, masks=masks)
     # The raw logprob of each sampled token, for the choice's cumulative logprob.
     summed = [j for j, r in enumerate(rows) if r.sampled_logprob and isinstance(tokens[j], int)]
     chosen: list[float | None] = [None] * len(rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -89,9 +90,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest]
-                 ) -> tuple[list[int | SampleFailure], list[TokenLogprobs | None]]:
+def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest], *,
+                 masks: Any = None) -> tuple[list[int | SampleFailure], list[TokenLogprobs | None]]:
     """One token per row of ``logits`` [rows, vocab], and its logprobs where asked for.
+
+    ``masks``: the rows' grammar masks, already filled (``engine.grammar.fill_bitmasks``);
+    without them a constrained row's mask is filled here.
 
     Rows that only need argmax take it in one call. A row that cannot be sampled gives a
     ``SampleFailure`` and the other rows their tokens: rows of one batch belong to
@@ -109,9 +113,12 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest]
         if any(r.grammar is not None for r in rows):
             # NOTE: imported here: an engine that is never asked for a grammar never loads
             # xgrammar.
-            from engine.grammar import apply_grammars
+            from engine.grammar import apply_bitmasks, apply_grammars
 
-            apply_grammars(logits, [r.grammar for r in rows])
+            if masks is not None:
+                apply_bitmasks(logits, masks)
+            else:
+                apply_grammars(logits, [r.grammar for r in rows])
     greedy = torch.argmax(logits, dim=-1).tolist()  # [rows]
     out: list[int | SampleFailure] = []
     for i, r in enumerate(rows):

@@ -32,7 +32,9 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat; completions take as many (vLLM allows 20 too)
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 MAX_STOP_TOKEN_IDS = 64
-MAX_N = 16  # choices (n, best_of) per request
+MAX_N = 16  # choices (n, best_of) per prompt
+MAX_PROMPTS = 16  # prompts in one completions request
+MAX_CHOICES = 64  # prompts x best_of
 MAX_NESTING = 32  # JSON arrays/objects inside one another; a JSON schema needs a few levels
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -247,22 +249,29 @@ class CompletionBody(CommonBody):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, value: Any) -> str | list[int]:
-        # OpenAI takes a string, token ids, or a list of those; Atrium serves one prompt.
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-        if isinstance(value, str):
-            return _plain_text(value)
-        if isinstance(value, list) and value and all(_is_int(t) for t in value):
-            if any(t < 0 for t in value):
-                raise PydanticCustomError("invalid_value",
-                                          "token ids must be non-negative integers")
-            return value
-        if isinstance(value, list) and len(value) > 1 and all(
-                isinstance(v, (str, list)) for v in value):
-            raise PydanticCustomError("unsupported_parameter",
-                                      "only one prompt per request is supported")
-        raise PydanticCustomError("invalid_type", "must be a string or a list of token ids")
+    def _prompt(cls, value: Any) -> list[str | list[int]]:
+        # OpenAI takes a string, token ids, or a list of those: each is one prompt.
+        if isinstance(value, str) or (isinstance(value, list) and value
+                                      and all(_is_int(t) for t in value)):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise PydanticCustomError(
+                "invalid_type", "must be a string, a list of token ids, or a list of those")
+        if len(value) > MAX_PROMPTS:
+            raise PydanticCustomError("invalid_value", "takes at most {most} prompts",
+                                      {"most": MAX_PROMPTS})
+        return [_one_prompt(v) for v in value]
+
+
+def _one_prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        return _plain_text(value)
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        if any(t < 0 for t in value):
+            raise PydanticCustomError("invalid_value", "token ids must be non-negative integers")
+        return value
+    raise PydanticCustomError(
+        "invalid_type", "must be a string, a list of token ids, or a list of those")
 
 
 class ChatCompletionBody(CommonBody):
@@ -324,7 +333,7 @@ class GenerationParams:
 @dataclass(slots=True)
 class CompletionRequest:
     params: GenerationParams
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # one or more; each gets n choices
 
 
 @dataclass(slots=True)
@@ -391,7 +400,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     if params.echo and params.logprobs is not None:
         raise InvalidRequest("'echo' with 'logprobs' (the prompt's logprobs) is not supported",
                              param="echo", code="unsupported_parameter")
-    return CompletionRequest(params=params, prompt=parsed.prompt)
+    if len(parsed.prompt) * params.best_of > MAX_CHOICES:
+        raise InvalidRequest(f"{len(parsed.prompt)} prompts with {params.best_of} choices each "
+                             f"make more than {MAX_CHOICES} choices", param="prompt",
+                             code="invalid_value")
+    return CompletionRequest(params=params, prompts=parsed.prompt)
 
 
 def parse_chat(body: Any) -> ChatRequest:

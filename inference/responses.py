@@ -211,13 +211,14 @@ async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
                         ) -> AsyncIterator[dict[str, Any]]:
     """OpenAI stream chunks; cancels the engine's work if the consumer goes away."""
     writer = _ChunkWriter(prepared)
-    choices = {i: _Choice(prepared, i) for i in range(prepared.params.n)}
+    # NOTE: a stream has no best_of above n: the engine's choices are the client's.
+    choices = {i: _Choice(prepared, i) for i in range(prepared.num_prompts * prepared.params.n)}
     try:
         for i in choices:
             if prepared.kind == "chat":
                 yield writer.chunk(role=True, index=i)
             elif prepared.echo:
-                yield writer.chunk(text=prepared.echo, index=i)
+                yield writer.chunk(text=prepared.echo[i // prepared.params.n], index=i)
         async for event in dispatch.events():
             if event.type == protocol.EV_DELTA:
                 choice = choices[int(event.data.get("index", 0))]
@@ -256,7 +257,8 @@ async def collect(prepared: Prepared, dispatch: Dispatch,
                   admission: quota.Admission | None = None) -> dict[str, Any]:
     """The whole (non-streaming) response object. With ``best_of``, the ``n`` choices of
     the highest cumulative logprob, renumbered from 0."""
-    choices = {i: _Choice(prepared, i) for i in range(prepared.params.best_of)}
+    generated = prepared.params.best_of
+    choices = {i: _Choice(prepared, i) for i in range(prepared.num_prompts * generated)}
     try:
         async for event in dispatch.events():
             if event.type == protocol.EV_DELTA:
@@ -271,8 +273,11 @@ async def collect(prepared: Prepared, dispatch: Dispatch,
     finally:
         await close(prepared, dispatch, admission)
     reasons = _final_reasons(final.data)
-    kept = sorted(choices, key=lambda i: -reasons[i][1])[:prepared.params.n] \
-        if prepared.params.best_of > prepared.params.n else sorted(choices)
+    kept = []  # per prompt, in order: its n most likely of the best_of generated
+    for start in range(0, len(choices), generated):
+        group = range(start, start + generated)
+        kept += sorted(group, key=lambda i: -reasons[i][1])[:prepared.params.n] \
+            if generated > prepared.params.n else list(group)
     return {"id": prepared.response_id,
             "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created, "model": prepared.model_id, "system_fingerprint": None,
@@ -287,5 +292,6 @@ def _choice_object(prepared: Prepared, choice: _Choice, index: int,
     if prepared.kind == "chat":
         return {"index": index, "message": choice.message(), "logprobs": choice.logprobs(),
                 "finish_reason": reason}
-    return {"text": prepared.echo + choice.text, "index": index,
+    echo = prepared.echo[choice.index // prepared.params.best_of] if prepared.echo else ""
+    return {"text": echo + choice.text, "index": index,
             "logprobs": choice.logprobs(), "finish_reason": reason}

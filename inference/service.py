@@ -14,7 +14,7 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis
@@ -67,7 +67,12 @@ class Prepared:
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
     tools: ToolRequest | None = None  # tools the model may call, and how
-    echo: str = ""  # completions with echo: the prompt's text, sent before each completion
+    # Completions with echo: each prompt's text, sent before each of its choices.
+    echo: list[str] = field(default_factory=list)
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 + len(self.engine_request.extra_prompts)
 
     @property
     def response_id(self) -> str:
@@ -139,24 +144,70 @@ def adapter_object(adapter: ServedAdapter, model_id: str | None = None) -> dict[
             "parent": adapter.model_id.split(":")[0], "version": adapter.version}
 
 
-def _prompt_ids(parsed: p.ChatRequest | p.CompletionRequest, model: ServedModel,
-                tools: ToolRequest | None) -> list[int]:
-    """The prompt as token ids: chat messages (and tools) through the model's template."""
+def _prompts(parsed: p.ChatRequest | p.CompletionRequest, model: ServedModel,
+             tools: ToolRequest | None) -> list[list[int]]:
+    """Each prompt as token ids: chat messages (and tools) through the model's template."""
     if isinstance(parsed, p.ChatRequest):
         if tools is not None:
             check_tool_support(model, tools)
         try:
-            return model.encode_chat(parsed.messages, tools=tools.tools if tools else None)
+            return [model.encode_chat(parsed.messages, tools=tools.tools if tools else None)]
         except ChatTemplateError as exc:
             raise InvalidRequest(f"messages cannot be rendered: {exc}", param="messages",
                                  code="invalid_value") from exc
-    if isinstance(parsed.prompt, str):
-        return model.encode_prompt(parsed.prompt)
-    vocab = model.vocab_size()
-    if any(t >= vocab for t in parsed.prompt):
-        raise InvalidRequest(f"token ids in 'prompt' must be below {vocab}", param="prompt",
+    vocab, out = model.vocab_size(), []
+    for prompt in parsed.prompts:
+        if isinstance(prompt, str):
+            out.append(model.encode_prompt(prompt))
+        elif any(t >= vocab for t in prompt):
+            raise InvalidRequest(f"token ids in 'prompt' must be below {vocab}",
+                                 param="prompt", code="invalid_value")
+        else:
+            out.append(list(prompt))
+    return out
+
+
+def _check_prompts(prompts: list[list[int]], model: ServedModel, principal: Principal,
+                   param: str) -> int:
+    """Refuses a prompt that is empty or too long; the room the longest leaves."""
+    if not all(prompts):
+        raise InvalidRequest("the prompt is empty", param=param, code="invalid_value")
+    longest = max(len(prompt) for prompt in prompts)
+    window = model.context_window
+    if longest >= window:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, your "
+            f"prompt has {longest} tokens.", param=param)
+    plan_prompt = principal.max_prompt_tokens
+    if plan_prompt is not None and longest > plan_prompt:
+        raise ContextLengthExceeded(
+            f"Your quota allows prompts of at most {plan_prompt} tokens. However, your "
+            f"prompt has {longest} tokens.", param=param)
+    return window - longest
+
+
+def _settle_max_tokens(params: p.GenerationParams, kind: Kind, room: int,
+                       principal: Principal, window: int) -> None:
+    """Sets the default max tokens, or refuses one above the caps or the room left."""
+    max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
+    who = "This server allows"
+    if principal.max_output_tokens is not None and principal.max_output_tokens < max_output:
+        max_output, who = principal.max_output_tokens, "Your quota allows"
+    name = params.max_tokens_param
+    if params.max_tokens is None:
+        default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max_output
+        params.max_tokens = min(default, room, max_output)
+    elif params.max_tokens > max_output:
+        raise InvalidRequest(f"'{name}' is too large: {params.max_tokens}. {who} "
+                             f"at most {max_output} output tokens.", param=name,
                              code="invalid_value")
-    return list(parsed.prompt)
+    elif params.max_tokens > room:
+        longest = window - room
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, you "
+            f"requested {longest + params.max_tokens} tokens "
+            f"({longest} in the prompt, {params.max_tokens} for the completion).",
+            param=name)
 
 
 def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
@@ -164,46 +215,16 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
     tools = parsed.tools if kind == "chat" else None
-    prompt_ids = _prompt_ids(parsed, model, tools)
-    if not prompt_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt" if kind == "completion"
-                             else "messages", code="invalid_value")
-    window = model.context_window
-    room = window - len(prompt_ids)
-    prompt_param = "messages" if kind == "chat" else "prompt"
-    if room < 1:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {window} tokens. However, your "
-            f"prompt has {len(prompt_ids)} tokens.", param=prompt_param)
-    plan_prompt = principal.max_prompt_tokens
-    if plan_prompt is not None and len(prompt_ids) > plan_prompt:
-        raise ContextLengthExceeded(
-            f"Your quota allows prompts of at most {plan_prompt} tokens. However, your "
-            f"prompt has {len(prompt_ids)} tokens.", param=prompt_param)
-    max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
-    who = "This server allows"
-    if principal.max_output_tokens is not None and principal.max_output_tokens < max_output:
-        max_output, who = principal.max_output_tokens, "Your quota allows"
-    field = params.max_tokens_param
-    if params.max_tokens is None:
-        default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max_output
-        params.max_tokens = min(default, room, max_output)
-    elif params.max_tokens > max_output:
-        raise InvalidRequest(f"'{field}' is too large: {params.max_tokens}. {who} "
-                             f"at most {max_output} output tokens.", param=field,
-                             code="invalid_value")
-    elif params.max_tokens > room:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {window} tokens. However, you "
-            f"requested {len(prompt_ids) + params.max_tokens} tokens "
-            f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).",
-            param=field)
+    prompts = _prompts(parsed, model, tools)
+    room = _check_prompts(prompts, model, principal,
+                          "messages" if kind == "chat" else "prompt")
+    _settle_max_tokens(params, kind, room, principal, model.context_window)
     _check_token_controls(params, model)
-    created = int(time.time())
     engine_request = protocol.EngineRequest(
         request_id=completion_id(kind),
         model=model.name,
-        prompt_token_ids=prompt_ids,
+        prompt_token_ids=prompts[0],
+        extra_prompts=prompts[1:],
         sampling=sampling_spec(params),
         tenant_id=str(principal.tenant_id),
         api_key_id=principal.api_key_id,
@@ -214,13 +235,14 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         priority=principal.priority,
         deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
     )
-    echo = ""
+    echo = []
     if params.echo:
-        echo = parsed.prompt if isinstance(parsed.prompt, str) else \
-            model.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    return Prepared(kind=kind, created=created, model=model, adapter=adapter, params=params,
-                    engine_request=engine_request, principal=principal, tools=tools,
-                    echo=echo)
+        echo = [text if isinstance(text, str) else
+                model.tokenizer.decode(ids, skip_special_tokens=False)
+                for text, ids in zip(parsed.prompts, prompts, strict=True)]
+    return Prepared(kind=kind, created=int(time.time()), model=model, adapter=adapter,
+                    params=params, engine_request=engine_request, principal=principal,
+                    tools=tools, echo=echo)
 
 
 def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
@@ -261,8 +283,9 @@ async def admit(prepared: Prepared) -> quota.Admission:
     admission = await quota.admit(
         async_client(), principal=prepared.principal, request_id=request.request_id,
         # NOTE: every choice generated (best_of of them) may run to max_tokens.
-        prompt_tokens=len(request.prompt_token_ids),
-        max_tokens=request.sampling.max_tokens * prepared.params.best_of,
+        prompt_tokens=len(request.prompt_token_ids) + sum(map(len, request.extra_prompts)),
+        max_tokens=request.sampling.max_tokens * prepared.params.best_of
+        * prepared.num_prompts,
         lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S,
         spend_checked=True)  # by precheck(), which every caller runs first
     return admission

@@ -198,3 +198,34 @@ def test_the_request_log_keeps_every_choice(client, served_model, engine_worker,
     [entry] = wait_for_logs(1)
     assert entry.completion == "\n".join(f"[choice {i}]\n{texts[i]}" for i in range(3))
     assert 3 <= entry.completion_tokens <= 18
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_one_response(client, served_model,
+                                                              engine_worker):
+    prompts = ["The quick brown fox", "Once upon a time", "The sea"]
+    singles = [client.completions.create(model=served_model, prompt=p, max_tokens=5,
+                                         temperature=0) for p in prompts]
+    res = client.completions.create(model=served_model, prompt=prompts, max_tokens=5,
+                                    temperature=0, n=2, echo=True)
+    assert [c.index for c in res.choices] == list(range(6))
+    for k, choice in enumerate(res.choices):
+        single = singles[k // 2].choices[0]
+        assert choice.text == prompts[k // 2] + single.text
+        assert choice.finish_reason == single.finish_reason
+    assert res.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert res.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=served_model, prompt=prompts, max_tokens=5,
+                                           temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {p: singles[p].choices[0].text for p in range(3)}
+
+
+def test_every_prompt_in_a_list_must_fit(client, served_model, engine_worker):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=served_model, prompt=["ok", "x " * 5000],
+                                  max_tokens=5)
+    assert err.value.body["code"] == "context_length_exceeded"

@@ -82,13 +82,15 @@ def test_developer_role_reads_as_system_and_text_parts_are_joined():
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]),
+    ("hello", ["hello"]), (["hello"], ["hello"]), ([1, 2, 3], [[1, 2, 3]]),
+    ([[4, 5]], [[4, 5]]), (["a", "b"], ["a", "b"]), (["a", [7]], ["a", [7]]),
 ])
 def test_completion_prompt_forms(prompt, expected):
-    assert parse_completion({"model": "m", "prompt": prompt}).prompt == expected
+    assert parse_completion({"model": "m", "prompt": prompt}).prompts == expected
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [1, -2], [1.5]])
+@pytest.mark.parametrize("prompt", [None, 5, [], ["a", 5], [1, -2], [1.5], ["x"] * 17,
+                                    [[]]])
 def test_bad_completion_prompts_are_rejected(prompt):
     with pytest.raises(InvalidRequest) as err:
         parse_completion({"model": "m", "prompt": prompt})
@@ -175,6 +177,13 @@ def test_tool_turns_reach_the_template_and_sdk_extras_are_ignored():
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+
+
+def test_prompts_times_choices_are_bounded():
+    with pytest.raises(InvalidRequest) as refused:
+        parse_completion({"model": "m", "prompt": ["x"] * 5, "n": 13})
+    assert refused.value.param == "prompt"
+    assert len(parse_completion({"model": "m", "prompt": ["x"] * 4, "n": 16}).prompts) == 4
 
 
 def test_n_best_of_and_echo_are_parsed_and_checked():
@@ -270,7 +279,7 @@ def test_any_json_body_either_parses_or_is_a_400_naming_a_parameter(body, chat):
         assert refused.status == 400 and refused.code
         assert refused.param is None or isinstance(refused.param, str)
         return
-    text = [m["content"] for m in parsed.messages] if chat else [parsed.prompt]
+    text = [m["content"] for m in parsed.messages] if chat else parsed.prompts
     for piece in [parsed.params.model, *parsed.params.stop, *text]:
         if isinstance(piece, str):
             assert "\x00" not in piece
