@@ -161,3 +161,32 @@ def test_registration_refuses_a_bad_adapter_and_records_nothing(tenant_key, trai
         register(tenant_key.slug, "Bad Name!", trained["sql"], tiny_model_path)
     assert not Adapter.objects.exists()
     assert not store.exists() or not any(store.iterdir())
+
+
+def test_an_adapter_serves_structured_output_tools_logprobs_and_n(
+        api_server, lora_engine, tenant_key, trained, tiny_model_path):
+    import json
+
+    import jsonschema
+
+    register(tenant_key.slug, "sql", trained["sql"], tiny_model_path)
+    openai = client(api_server, tenant_key.key)
+    model, messages = "tiny-llama:sql", [{"role": "user", "content": "Give me a row"}]
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+                                                      "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["id", "ok"], "additionalProperties": False}
+    res = openai.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=1.0, seed=2, n=3,
+        logprobs=True, top_logprobs=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "row", "schema": schema}})
+    assert res.model == model and len(res.choices) == 3
+    for choice in res.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        assert len(choice.logprobs.content) >= 1
+    tool = {"type": "function", "function": {"name": "fetch_row", "parameters": schema}}
+    called = openai.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "fetch_row"}})
+    (call,) = called.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schema)

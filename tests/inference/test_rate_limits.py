@@ -419,3 +419,13 @@ def _up(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/livez", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_every_choice_counts_toward_the_token_limit(api_server, served_model):
+    caller = make_caller(tokens_per_minute=1000)
+    # The prompt and 4 choices of 300 cannot fit in 1000 tokens; one choice can.
+    refused = post(api_server, caller, chat(served_model, max_tokens=300, n=4))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    admitted = post(api_server, caller, chat(served_model, max_tokens=300, n=1))
+    assert admitted.status_code == 503  # admitted; no engine is up
