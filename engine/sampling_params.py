@@ -57,10 +57,8 @@ class SamplingParams:
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self._check_penalties()
-        for name in ("min_tokens",):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of token ids")
