@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
@@ -68,9 +69,12 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.metrics = EngineMetrics()
-        # Structured output: grammars compile on a thread off this loop, built on the first
-        # request that needs one; a sequence waits in _compiling until its grammar is ready.
+        # Structured output: the compiler is set up on its own thread at start, grammars
+        # compile on another; a sequence waits in _compiling until its grammar is ready.
         self._grammars: Grammars | None = None
+        self._grammars_setup = threading.Thread(target=self._set_up_grammars,
+                                                name="grammar-setup", daemon=True)
+        self._grammars_setup.start()
         self._compiling: dict[str, tuple[Sequence, Future]] = {}
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
@@ -224,12 +228,25 @@ class LLMEngine:
     # -- grammars -------------------------------------------------------------------------
 
     def grammars(self) -> Grammars:
+        """The model's grammar compiler; ValueError (the request's 400) if it could not be
+        built. Waits for the set-up only when a grammar is asked for in the first seconds."""
+        self._grammars_setup.join()
         if self._grammars is None:
-            from engine.grammar import Grammars  # NOTE: xgrammar loads on first use only
+            raise ValueError("response_format cannot be enforced: structured outputs are "
+                             "unavailable on this engine (see its log)")
+        return self._grammars
+
+    def _set_up_grammars(self) -> None:
+        """Builds the grammar compiler on its own thread at start: importing xgrammar and
+        reading the vocabulary take a second or more, which would otherwise stall every
+        request in the batch when the first constrained one arrives."""
+        try:
+            from engine.grammar import Grammars
 
             self._grammars = Grammars(self.config.model_dir, self.vocab_size,
                                       self.eos_token_ids)
-        return self._grammars
+        except Exception:  # noqa: BLE001 - the engine serves on; constrained requests get 400
+            log.exception("structured outputs are unavailable: the grammar compiler failed")
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queues sequences whose grammar is compiled; ends those whose grammar failed."""

@@ -140,3 +140,14 @@ def test_a_constrained_adapter_request_shares_the_batch_with_plain_and_base_rows
     jsonschema.validate(json.loads(text(outputs["base"])), CLOSED)
     expected = peft_greedy(tiny_model_dir, folder, [prompt(12)], 10)[0]
     assert [t for o in outputs["plain"] for t in o.token_ids] == expected
+
+
+def test_without_a_grammar_compiler_a_constrained_request_is_refused_and_others_run(
+        tiny_model_dir):
+    eng = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, block_size=16))
+    eng._grammars_setup.join()
+    eng._grammars = None  # as when the set-up failed (logged at start)
+    with pytest.raises(ValueError, match="structured outputs are unavailable"):
+        eng.add_request(request("json", prompt(1), grammar={"type": "json_object"}))
+    eng.add_request(request("plain", prompt(1), max_tokens=3))
+    assert drain(eng)["plain"][-1].finish_reason == "length"
