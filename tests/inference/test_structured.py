@@ -121,3 +121,26 @@ def test_a_schema_nested_too_deep_is_refused():
 def test_the_param_names_where_the_schema_came_from():
     error = refusal({"not": {}}, param="tools[0].function.parameters")
     assert error.param == "tools[0].function.parameters.not"
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(101)}},
+     "properties"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1,20000}$"}}},
+     "properties.a.pattern"),
+    ({"type": "object", "properties": {"a": {"type": "string",
+                                             "pattern": "^(a{1,40}b){1,40}$"}}},
+     "properties.a.pattern"),
+    ({"type": "string", "pattern": "a" * 1001}, "pattern"),
+])
+def test_schemas_that_would_hold_the_compiler_for_seconds_are_refused(schema, where):
+    refused = refusal(schema)
+    assert refused.param == f"{SCHEMA_PARAM}.{where}"
+    assert refused.code == "unsupported_parameter" and "too long" in str(refused)
+
+
+def test_the_compile_bounds_still_take_what_clients_send():
+    many = {f"p{i}": {"type": "integer"} for i in range(500)}
+    check_json_schema({"type": "object", "properties": many, "required": list(many)})
+    check_json_schema({"type": "object", "properties": dict(list(many.items())[:100])})
+    check_json_schema({"type": "string", "pattern": "^[a-z]{2,30}-[0-9]{4}$"})
