@@ -124,8 +124,12 @@ def test_the_param_names_where_the_schema_came_from():
 
 
 @pytest.mark.parametrize(("schema", "where"), [
-    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(101)}},
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(129)}},
      "properties"),
+    ({"type": "object", "required": ["a", "b"], "properties": {
+        key: {"type": "object", "properties": {f"{key}{i}": {"type": "integer"}
+                                               for i in range(100)}} for key in "ab"}},
+     "properties.b.properties"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1,20000}$"}}},
      "properties.a.pattern"),
     ({"type": "object", "properties": {"a": {"type": "string",
@@ -142,5 +146,5 @@ def test_schemas_that_would_hold_the_compiler_for_seconds_are_refused(schema, wh
 def test_the_compile_bounds_still_take_what_clients_send():
     many = {f"p{i}": {"type": "integer"} for i in range(500)}
     check_json_schema({"type": "object", "properties": many, "required": list(many)})
-    check_json_schema({"type": "object", "properties": dict(list(many.items())[:100])})
+    check_json_schema({"type": "object", "properties": dict(list(many.items())[:128])})
     check_json_schema({"type": "string", "pattern": "^[a-z]{2,30}-[0-9]{4}$"})
