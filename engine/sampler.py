@@ -103,7 +103,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest], *,
     """
     finite = torch.isfinite(logits).all(dim=-1).tolist()  # [rows]
     raw = logits
-    shaped = [i for i, r in enumerate(rows) if r.sampling.shapes_logits or r.grammar is not None]
+    shaped = {i for i, r in enumerate(rows) if r.sampling.shapes_logits or r.grammar is not None}
     if shaped:
         logits = logits.float().clone()
         for i in shaped:

@@ -40,3 +40,25 @@ def read_events(client: redis.Redis, request_id: str, *, timeout: float = 20.0,
                 if events[-1].is_final or (until and until(events[-1])):
                     return events
     raise AssertionError(f"no final event for {request_id} in {timeout}s: {events}")
+
+
+def two_choices_on_the_wire(events: list[protocol.Event], tokenizer, *, prompt_tokens: int,
+                            tokens_each: int) -> protocol.Event:
+    """Checks a two-choice request's event stream (numbered deltas for index 0 and 1 whose
+    text decodes their tokens, one final event naming both choices); returns the final."""
+    assert [e.seq for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == protocol.EV_DELTA]
+    assert {e.data["index"] for e in deltas} == {0, 1}
+    for index in (0, 1):
+        ids = [t for e in deltas if e.data["index"] == index for t in e.data["token_ids"]]
+        assert len(ids) == tokens_each
+        assert "".join(e.data["text"] for e in deltas if e.data["index"] == index) == \
+            tokenizer.decode(ids)
+    final = events[-1]
+    assert [e.is_final for e in events].count(True) == 1
+    assert final.type == protocol.EV_FINISH and final.data["finish_reason"] == "length"
+    assert [(c["index"], c["finish_reason"]) for c in final.data["choices"]] == [
+        (0, "length"), (1, "length")]
+    assert final.data["usage"]["prompt_tokens"] == prompt_tokens
+    assert final.data["usage"]["completion_tokens"] == 2 * tokens_each
+    return final

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_testing import make_request, read_events, submit
+from engine_testing import make_request, read_events, submit, two_choices_on_the_wire
 from test_llm_engine import drain, request, text, tokens
 
 from engine import protocol
@@ -386,23 +386,9 @@ def test_the_event_stream_of_two_choices(start_worker, redis_client, tokenizer):
     start_worker()
     req = make_request(PROMPT, n=2, max_tokens=6, temperature=1.0, seed=9, ignore_eos=True)
     submit(redis_client, req)
-    events = read_events(redis_client, req.request_id)
-    assert [e.seq for e in events] == list(range(len(events)))
-    deltas = [e for e in events if e.type == protocol.EV_DELTA]
-    assert {e.data["index"] for e in deltas} == {0, 1}
-    for index in (0, 1):
-        ids = [t for e in deltas if e.data["index"] == index for t in e.data["token_ids"]]
-        assert len(ids) == 6
-        assert "".join(e.data["text"] for e in deltas if e.data["index"] == index) == \
-            tokenizer.decode(ids)
-    final = events[-1]
-    assert [e.is_final for e in events].count(True) == 1
-    assert final.type == protocol.EV_FINISH and final.data["finish_reason"] == "length"
-    assert [(c["index"], c["finish_reason"]) for c in final.data["choices"]] == [
-        (0, "length"), (1, "length")]
+    final = two_choices_on_the_wire(read_events(redis_client, req.request_id), tokenizer,
+                                    prompt_tokens=len(PROMPT), tokens_each=6)
     assert all(c["cumulative_logprob"] < 0 for c in final.data["choices"])
-    assert final.data["usage"]["prompt_tokens"] == len(PROMPT)
-    assert final.data["usage"]["completion_tokens"] == 12
     single = make_request(PROMPT, max_tokens=3)
     submit(redis_client, single)
     events = read_events(redis_client, single.request_id)
