@@ -8,9 +8,12 @@ Every body is ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from django.http import HttpResponse
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -38,6 +41,10 @@ class ApiError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> HttpResponse:
+        if self.status >= 500 and self.__cause__ is not None:
+            # The client reads the message; the operator needs what caused it.
+            log.warning("answered %d %s: %s (caused by %s: %s)", self.status, self.code,
+                        self.message, type(self.__cause__).__name__, self.__cause__)
         response = HttpResponse(json.dumps(self.body()), status=self.status,
                                 content_type="application/json")
         for name, value in self.headers.items():

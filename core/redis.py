@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from functools import cache
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -20,20 +22,70 @@ _RETRIES = 2
 
 
 def _options() -> dict:
+    # NOTE: named by process, so CLIENT LIST shows which process holds which connections.
     return {"health_check_interval": 30, "socket_connect_timeout": 2,
-            "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
+            "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+            "client_name": f"atrium-{os.getpid()}"}
 
 _async_clients: dict[int, aioredis.Redis] = {}
 
 
+class QueuedConnectionPool(aioredis.ConnectionPool):
+    """At most ``max_connections``; past that a command waits its turn (first come, first
+    served) for up to ``wait_s`` instead of failing.
+
+    NOTE: redis-py's BlockingConnectionPool does this under one asyncio.Condition that
+    every waiter and every release queue for: with hundreds of waiters a release took
+    hundreds of loop turns, connections looked busy for seconds, and a burst of requests
+    ended in "No connection available". A semaphore hands a released slot to the next
+    waiter in one step.
+    """
+
+    def __init__(self, *args: Any, wait_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait_s = wait_s
+        self._slots = asyncio.Semaphore(self.max_connections)
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(self.wait_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise redis.ConnectionError(
+                    f"no Redis connection came free in {self.wait_s:g}s: this process holds "
+                    f"its limit of {self.max_connections} (ATRIUM_REDIS_MAX_CONNECTIONS)"
+                ) from None
+        else:
+            await self._slots.acquire()
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def release(self, connection: Any) -> None:
+        try:
+            await super().release(connection)
+        finally:
+            self._slots.release()
+
+
 def async_client() -> aioredis.Redis:
-    """A client bound to the running event loop (pools cannot cross loops)."""
+    """A client bound to the running event loop (pools cannot cross loops).
+
+    Its pool holds at most ATRIUM_REDIS_MAX_CONNECTIONS; a command that finds them all busy
+    waits for one (up to ATRIUM_REDIS_POOL_TIMEOUT_S) instead of failing. Commands are
+    short: no request holds a connection while it waits for tokens (inference/relay.py).
+    """
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        client = aioredis.Redis.from_url(
-            settings.REDIS_URL, retry=AsyncRetry(ExponentialBackoff(cap=0.2, base=0.05),
-                                                 _RETRIES), **_options())
+        pool = QueuedConnectionPool.from_url(
+            settings.REDIS_URL, max_connections=settings.ATRIUM_REDIS_MAX_CONNECTIONS,
+            wait_s=settings.ATRIUM_REDIS_POOL_TIMEOUT_S,
+            retry=AsyncRetry(ExponentialBackoff(cap=0.2, base=0.05), _RETRIES), **_options())
+        client = aioredis.Redis.from_pool(pool)
         _async_clients[loop_id] = client
     return client
 

@@ -144,7 +144,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             async with aclosing(trace.observe(responses.stream_chunks(
                     started.prepared, started.dispatch, started.admission))) as chunks:
                 async for chunk in chunks:
-                    await self._send({"type": "chunk", "id": client_id, "data": chunk})
+                    if chunk is not None:  # None: idle (a websocket needs no keep-alive)
+                        await self._send({"type": "chunk", "id": client_id, "data": chunk})
             await self._send({"type": "done", "id": client_id})
         except ApiError as exc:
             if trace is not None:

@@ -20,6 +20,7 @@ from inference.errors import (
     NoEngineAvailable,
     ServiceUnavailable,
 )
+from inference.relay import Subscription
 
 # How long the relay waits on the events stream before it checks that the
 # engine (or, while queued, any engine) is still alive.
@@ -59,9 +60,12 @@ class Dispatch:
     """One request's trip through Redis: submit, relay events, cancel, learn its usage."""
 
     def __init__(self, redis: aioredis.Redis, request: protocol.EngineRequest,
-                 deadline: float) -> None:
+                 deadline: float, subscription: Subscription) -> None:
         self.redis = redis
         self.request = request
+        # Where the process's one events reader (relay.py) puts this request's events.
+        self.subscription = subscription
+        subscription.attach(request.request_id)
         self.deadline = deadline
         self.entry_id: bytes | None = None
         self.owner: str | None = None
@@ -73,7 +77,6 @@ class Dispatch:
         # Set by the one cleanup (service.close) once it started; the request log waits
         # for it, so it is written with the engine's count.
         self.closing: asyncio.Future | None = None
-        self._last_id = b"0-0"
         self._expected_seq = 0
         # No final event will come: cancelled while queued before any engine read it, or
         # its engine is gone (another engine's recovery settles it later).
@@ -136,60 +139,53 @@ class Dispatch:
         if self.final_read or self._unreachable:
             return
         give_up = time.time() + timeout
-        stream = protocol.events_stream(self.request.request_id)
         while (remaining := give_up - time.time()) > 0:
-            reply = await self.redis.xread({stream: self._last_id}, count=256,
-                                           block=max(1, int(remaining * 1000)))
-            for entry_id, fields in reply[0][1] if reply else ():
+            for _, fields in await self.subscription.read(remaining):
                 event = protocol.Event.decode(fields)
                 if event.seq < self._expected_seq:
-                    self._last_id = entry_id  # written twice (docs/protocol.md): skip it
-                    continue
+                    continue  # written twice (docs/protocol.md): skip it
                 if event.seq != self._expected_seq:
                     return
-                await self._take(entry_id, event)
+                await self._take(event)
                 if event.is_final:
                     return
 
-    async def events(self) -> AsyncIterator[protocol.Event]:
-        """Yields the request's events in order until the final one.
+    async def events(self) -> AsyncIterator[protocol.Event | None]:
+        """Yields the request's events in order until the final one, and None after each
+        second without one (a stream's cue for a keep-alive).
 
         Raises DeadlineExceeded, EngineFailed or NoEngineAvailable (after
         cancelling) when the request cannot finish.
         """
-        stream = protocol.events_stream(self.request.request_id)
         while True:
             remaining = self.deadline - time.time()
             if remaining <= 0:
                 await self.cancel()
                 raise DeadlineExceeded("the request did not finish before its deadline")
-            with _redis_lost():
-                reply = await self.redis.xread(
-                    {stream: self._last_id}, count=256,
-                    block=max(1, int(min(remaining, POLL_S) * 1000)))
-                if not reply:
+            entries = await self.subscription.read(min(remaining, POLL_S))
+            if not entries:
+                with _redis_lost():
                     await self._check_liveness()
-                    continue
-            for entry_id, fields in reply[0][1]:
+                yield None  # nothing yet: the stream may send a keep-alive
+                continue
+            for _, fields in entries:
                 event = protocol.Event.decode(fields)
                 if event.seq < self._expected_seq:
                     # An engine that lost the reply to a write after a Redis outage may
                     # write it again (docs/protocol.md): the copy is skipped.
-                    self._last_id = entry_id
                     continue
                 if event.seq != self._expected_seq:
                     await self.cancel()
                     raise EngineFailed(f"lost events from the engine (expected "
                                        f"{self._expected_seq}, got {event.seq})")
                 with _redis_lost():
-                    await self._take(entry_id, event)
+                    await self._take(event)
                 yield event
                 if event.is_final:
                     return
 
-    async def _take(self, entry_id: bytes, event: protocol.Event) -> None:
+    async def _take(self, event: protocol.Event) -> None:
         """Counts one event in, in order."""
-        self._last_id = entry_id
         self._expected_seq += 1
         if event.type == protocol.EV_ACCEPTED:
             self.owner = event.data.get("engine_id")
@@ -198,6 +194,7 @@ class Dispatch:
         if event.is_final:
             self.finished = True
             self.usage = event.data.get("usage") or {}
+            self.subscription.close()
             await self.redis.delete(protocol.events_stream(self.request.request_id))
 
     async def _check_liveness(self) -> None:

@@ -17,6 +17,7 @@ from core.errors import ApiError
 from inference import admission as quota
 from inference import service
 from inference.dispatch import Dispatch
+from inference.relay import Subscription, event_hub
 from inference.requestlog import Trace
 
 
@@ -36,6 +37,18 @@ class Started:
 
 async def start(trace: Trace) -> Started:
     """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace."""
+    # The process's own limit first (relay.py): a request past it costs nothing.
+    subscription = event_hub().subscribe()
+    try:
+        started = await _admitted(trace, subscription)
+    except BaseException:
+        subscription.close()
+        raise
+    trace.dispatch = started.dispatch
+    return started
+
+
+async def _admitted(trace: Trace, subscription: Subscription) -> Started:
     limits = await service.precheck(trace.principal)  # a refused caller costs no tokenizing
     try:
         # Tokenizing a long prompt is CPU work: keep it off the event loop.
@@ -48,12 +61,11 @@ async def start(trace: Trace) -> Started:
     trace.prepared = prepared
     admission = await service.admit(prepared)
     try:
-        dispatch = await service.open_dispatch(prepared)
+        dispatch = await service.open_dispatch(prepared, subscription)
     except BaseException as exc:
         await service.release(prepared, admission, None)
         if isinstance(exc, ApiError):
             exc.headers = {"x-request-id": prepared.response_id, **admission.headers(),
                            **exc.headers}
         raise
-    trace.dispatch = dispatch
     return Started(prepared, admission, dispatch)

@@ -5,8 +5,9 @@ tenant to log for) and learns the body, the prepared request, the dispatch and
 the outcome as the view or websocket consumer gets them; a streamed response
 is followed chunk by chunk through `observe`. When the request ends, however it
 ends, `submit` hands it to a background task that builds the entry (decoding a
-token-id prompt, reading timings) and writes it in a worker thread: redaction
-and the ORM never run on the event loop, and no response waits for them.
+token-id prompt, reading timings) and writes it, with the others ending meanwhile, in
+one transaction on a thread of its own: redaction and the ORM never run on the event
+loop, and no response waits for them.
 docs/request-logs.md has the reasoning.
 """
 
@@ -16,15 +17,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.db import connection
 
 from core.errors import ApiError
 from inference.service import completion_id
-from requestlogs.facade import RequestLogEntry, request_log_record
+from requestlogs.facade import RequestLogEntry, request_log_record_many
 from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Trace:
             # (which learns the engine's final usage) runs before the log is submitted.
             async with aclosing(chunks):
                 async for chunk in chunks:
-                    for choice in chunk.get("choices") or ():
+                    for choice in (chunk or {}).get("choices") or ():  # None: idle
                         text = (choice.get("delta") or {}).get("content") \
                             if "delta" in choice else choice.get("text")
                         self._add(choice, text)
@@ -152,7 +153,7 @@ class Trace:
         try:
             task = asyncio.get_running_loop().create_task(_write(self))
         except RuntimeError:  # no loop (a synchronous caller): write here
-            _record(self)
+            _record([self])
             return
         _pending.add(task)
         task.add_done_callback(_pending.discard)
@@ -220,33 +221,65 @@ class Trace:
             if bodies else None)
 
 
-def _record(trace: Trace) -> None:
+def _entry(trace: Trace) -> RequestLogEntry:
     try:
-        try:
-            entry = trace.entry()
-        except Exception:  # noqa: BLE001 - a body nobody foresaw: keep the metadata
-            log.warning("request log of tenant %s: bodies left out, they could not be read",
-                        trace.principal.tenant_id, exc_info=True)
-            entry = trace.entry(bodies=False)
-        request_log_record(entry=entry)
-    except Exception:  # noqa: BLE001 - a lost log line must not fail anything else
-        log.warning("could not write the request log of a request of tenant %s",
+        return trace.entry()
+    except Exception:  # noqa: BLE001 - a body nobody foresaw: keep the metadata
+        log.warning("request log of tenant %s: bodies left out, they could not be read",
                     trace.principal.tenant_id, exc_info=True)
+        return trace.entry(bodies=False)
 
 
-def _record_in_thread(trace: Trace) -> None:
+def _record(traces: list[Trace]) -> None:
     try:
-        _record(trace)
+        request_log_record_many(entries=[_entry(trace) for trace in traces])
+    except Exception:  # noqa: BLE001 - a lost log line must not fail anything else
+        log.warning("could not write the request logs of %d requests (tenants %s)",
+                    len(traces), sorted({t.principal.tenant_id for t in traces}),
+                    exc_info=True)
+
+
+def _record_in_thread(traces: list[Trace]) -> None:
+    try:
+        _record(traces)
     finally:
         connection.close()  # a pool thread, not a request: nobody else closes it
 
 
+# NOTE: the logs of requests that end while a batch is being written make the next batch:
+# one transaction per batch, on one thread of its own (not the pool that tokenizes
+# prompts), so a burst of requests costs the database a few writes and no one waits.
+_BATCH_MAX = 500
+_batch: list[tuple[Trace, asyncio.Future]] = []
+_writer: asyncio.Task | None = None
+_thread = ThreadPoolExecutor(1, thread_name_prefix="request-log")
+
+
 async def _write(trace: Trace) -> None:
+    global _writer
     closing = getattr(trace.dispatch, "closing", None)
     if closing is not None:
         # The request's cleanup learns the engine's usage, the count billing gets.
         await asyncio.wait([closing], timeout=_CLOSE_WAIT_S)
-    await sync_to_async(_record_in_thread, thread_sensitive=False)(trace)
+    loop = asyncio.get_running_loop()
+    written = loop.create_future()
+    _batch.append((trace, written))
+    if _writer is None or _writer.done() or _writer.get_loop() is not loop:
+        _writer = loop.create_task(_write_batches())
+    await written
+
+
+async def _write_batches() -> None:
+    loop = asyncio.get_running_loop()
+    while _batch:
+        taken = _batch[:_BATCH_MAX]
+        del _batch[:_BATCH_MAX]
+        try:
+            await loop.run_in_executor(_thread, _record_in_thread, [t for t, _ in taken])
+        finally:
+            for _, written in taken:
+                if not written.done():
+                    written.set_result(None)
 
 
 async def drain() -> None:

@@ -208,8 +208,9 @@ def _final_reasons(data: dict[str, Any]) -> dict[int, tuple[str, float]]:
 
 async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
                         admission: quota.Admission | None = None
-                        ) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI stream chunks; cancels the engine's work if the consumer goes away."""
+                        ) -> AsyncIterator[dict[str, Any] | None]:
+    """OpenAI stream chunks, and None after each second with nothing to send; cancels the
+    engine's work if the consumer goes away."""
     writer = _ChunkWriter(prepared)
     # NOTE: a stream has no best_of above n: the engine's choices are the client's.
     choices = {i: _Choice(prepared, i) for i in range(prepared.num_prompts * prepared.params.n)}
@@ -220,7 +221,9 @@ async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
             elif prepared.echo:
                 yield writer.chunk(text=prepared.echo[i // prepared.params.n], index=i)
         async for event in dispatch.events():
-            if event.type == protocol.EV_DELTA:
+            if event is None:
+                yield None  # idle: the SSE writer decides on a keep-alive
+            elif event.type == protocol.EV_DELTA:
                 choice = choices[int(event.data.get("index", 0))]
                 logprobs = choice.logprobs_of(event.data)
                 for chunk in _chunks(writer, choice, choice.add(event.data), logprobs):
@@ -261,6 +264,8 @@ async def collect(prepared: Prepared, dispatch: Dispatch,
     choices = {i: _Choice(prepared, i) for i in range(prepared.num_prompts * generated)}
     try:
         async for event in dispatch.events():
+            if event is None:
+                continue
             if event.type == protocol.EV_DELTA:
                 choice = choices[int(event.data.get("index", 0))]
                 choice.logprobs_of(event.data)

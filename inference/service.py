@@ -42,6 +42,7 @@ from inference.errors import (
     ModelNotFound,
     ServiceUnavailable,
 )
+from inference.relay import Subscription
 from inference.tools import ToolRequest, check_tool_support
 from tenants.facade import Principal
 
@@ -379,13 +380,15 @@ async def _close(prepared: Prepared, dispatch: Dispatch,
             await dispatch.cancel()
             await dispatch.wait_final(FINAL_WAIT_S)
     finally:
+        dispatch.subscription.close()
         await release(prepared, admission, dispatch)
 
 
-async def open_dispatch(prepared: Prepared) -> Dispatch:
+async def open_dispatch(prepared: Prepared, subscription: Subscription) -> Dispatch:
     """Queues the request; raises NoEngineAvailable at once when no engine is alive."""
     dispatch = Dispatch(async_client(), prepared.engine_request,
-                        deadline=prepared.engine_request.deadline or time.time())
+                        deadline=prepared.engine_request.deadline or time.time(),
+                        subscription=subscription)
     await dispatch.submit()
     return dispatch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
 from typing import Any
@@ -56,9 +57,18 @@ def _json_body(request: HttpRequest) -> Any:
                              "expects a JSON payload.", code="invalid_json") from exc
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _sse(chunks: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[bytes]:
+    last_sent = time.monotonic()
     try:
         async for chunk in chunks:
+            if chunk is None:
+                # Waiting in the queue or a long prefill: a comment line every so often, so
+                # proxies that cut idle connections keep this one.
+                if time.monotonic() - last_sent >= settings.ATRIUM_SSE_KEEPALIVE_S:
+                    last_sent = time.monotonic()
+                    yield b": keep-alive\n\n"
+                continue
+            last_sent = time.monotonic()
             yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
     except ApiError as exc:
         # Headers are gone; OpenAI clients raise on a data line carrying "error".

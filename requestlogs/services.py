@@ -62,41 +62,78 @@ class RequestLogEntry:
     completion: str | None = None
 
 
-def _bodies(entry: RequestLogEntry) -> tuple[Any, str | None]:
-    """The redacted bodies to keep, or (None, None) when the tenant keeps none."""
-    if entry.prompt is None and entry.completion is None:
-        return None, None
-    if not selectors.log_policy_get(tenant_id=entry.tenant_id).log_bodies:
-        return None, None
-    try:
-        extra = selectors.tenant_detectors(tenant_id=entry.tenant_id)
-    except PatternRejected:
-        # NOTE: fails closed: a stored pattern the current rules refuse means bodies
-        # cannot be redacted as the tenant asked, so none are kept.
-        log.warning("tenant %s has a redaction pattern that no longer compiles; request "
-                    "%s is logged without bodies", entry.tenant_id, entry.request_id)
-        return None, None
-    prompt = redact_json(entry.prompt, extra) if entry.prompt is not None else None
-    completion = redact(entry.completion, extra) if entry.completion is not None else None
-    return prompt, completion
+class _Policies:
+    """Each tenant's logging policy and redaction patterns, read once per batch of logs."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[bool, Any]] = {}
+
+    def bodies(self, entry: RequestLogEntry) -> tuple[Any, str | None]:
+        """The redacted bodies to keep, or (None, None) when the tenant keeps none."""
+        if entry.prompt is None and entry.completion is None:
+            return None, None
+        if entry.tenant_id not in self._kept:
+            self._kept[entry.tenant_id] = self._read(entry.tenant_id)
+        keep, extra = self._kept[entry.tenant_id]
+        if not keep:
+            if extra is PatternRejected:
+                log.warning("tenant %s has a redaction pattern that no longer compiles; "
+                            "request %s is logged without bodies", entry.tenant_id,
+                            entry.request_id)
+            return None, None
+        prompt = redact_json(entry.prompt, extra) if entry.prompt is not None else None
+        completion = redact(entry.completion, extra) if entry.completion is not None else None
+        return prompt, completion
+
+    @staticmethod
+    def _read(tenant_id: int) -> tuple[bool, Any]:
+        if not selectors.log_policy_get(tenant_id=tenant_id).log_bodies:
+            return False, None
+        try:
+            return True, selectors.tenant_detectors(tenant_id=tenant_id)
+        except PatternRejected:
+            # NOTE: fails closed: a stored pattern the current rules refuse means bodies
+            # cannot be redacted as the tenant asked, so none are kept.
+            return False, PatternRejected
 
 
 def request_log_record(*, entry: RequestLogEntry) -> bool:
     """Writes the request's log once (by request id); returns whether a row was added."""
-    prompt, completion = _bodies(entry)
-    created_at = (datetime.fromtimestamp(entry.created_at, tz=UTC)
-                  if entry.created_at is not None else timezone.now())
-    _, created = RequestLog.objects.get_or_create(request_id=entry.request_id, defaults=dict(
-        tenant_id=entry.tenant_id, api_key_id=entry.api_key_id,
-        api_key_prefix=entry.api_key_prefix[:16], endpoint=entry.endpoint,
-        transport=entry.transport, model=redact(entry.model)[:200],
-        adapter=entry.adapter[:200], stream=entry.stream, status=entry.status,
-        error_code=entry.error_code[:64], finish_reason=entry.finish_reason[:32],
-        prompt_tokens=max(0, entry.prompt_tokens), cached_tokens=max(0, entry.cached_tokens),
-        completion_tokens=max(0, entry.completion_tokens), queue_ms=entry.queue_ms,
-        ttft_ms=entry.ttft_ms, total_ms=entry.total_ms, latency_ms=max(0, entry.latency_ms),
-        created_at=created_at, prompt=prompt, completion=completion))
-    return created
+    return request_log_record_many(entries=[entry]) == 1
+
+
+def request_log_record_many(*, entries: list[RequestLogEntry]) -> int:
+    """Writes many requests' logs in one transaction, each once (by request id: an id
+    already logged, or twice in ``entries``, is written once); returns the rows added."""
+    policies = _Policies()
+    rows: dict[str, RequestLog] = {}
+    for entry in entries:
+        if entry.request_id in rows:
+            continue
+        prompt, completion = policies.bodies(entry)
+        created_at = (datetime.fromtimestamp(entry.created_at, tz=UTC)
+                      if entry.created_at is not None else timezone.now())
+        rows[entry.request_id] = RequestLog(
+            request_id=entry.request_id, tenant_id=entry.tenant_id,
+            api_key_id=entry.api_key_id, api_key_prefix=entry.api_key_prefix[:16],
+            endpoint=entry.endpoint, transport=entry.transport,
+            model=redact(entry.model)[:200], adapter=entry.adapter[:200], stream=entry.stream,
+            status=entry.status, error_code=entry.error_code[:64],
+            finish_reason=entry.finish_reason[:32], prompt_tokens=max(0, entry.prompt_tokens),
+            cached_tokens=max(0, entry.cached_tokens),
+            completion_tokens=max(0, entry.completion_tokens), queue_ms=entry.queue_ms,
+            ttft_ms=entry.ttft_ms, total_ms=entry.total_ms,
+            latency_ms=max(0, entry.latency_ms), created_at=created_at, prompt=prompt,
+            completion=completion)
+    if not rows:
+        return 0
+    with transaction.atomic():
+        logged = set(RequestLog.objects.filter(request_id__in=list(rows))
+                     .values_list("request_id", flat=True))
+        new = [row for request_id, row in rows.items() if request_id not in logged]
+        # NOTE: another process may log the same id meanwhile: its row stands.
+        RequestLog.objects.bulk_create(new, ignore_conflicts=True)
+    return len(new)
 
 
 # --- policy --------------------------------------------------------------------------------

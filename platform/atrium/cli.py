@@ -64,6 +64,27 @@ def cmd_create_key(args: argparse.Namespace) -> None:
                    expires_in=args.expires_in))
 
 
+def cmd_set_limits(args: argparse.Namespace) -> None:
+    """Overrides a tenant's plan limits (audited as the command line), as the console does."""
+    django_setup()
+    from core.errors import ApiError
+    from tenants.access import Actor
+    from tenants.services import tenant_quota_update
+
+    changes = {field: getattr(args, field) for field in LIMIT_FIELDS
+               if getattr(args, field) is not None}
+    if not changes:
+        sys.exit("atrium: name at least one limit, e.g. --max-concurrent-requests 500")
+    try:
+        tenant_quota_update(tenant=tenant_or_exit(args.tenant), actor=Actor(), changes=changes)
+    except ApiError as exc:
+        sys.exit(f"atrium: {exc.message}")
+    print(", ".join(f"{field} {value}" for field, value in changes.items()))
+
+
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+
+
 def _read_password(from_stdin: bool) -> str:
     import getpass
 
@@ -235,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--expires-in", type=parse_duration, metavar="DURATION",
                      help="e.g. 30d, 12h, 90m, 2w (default: no expiry)")
     key.set_defaults(func=cmd_create_key)
+
+    limits = sub.add_parser("set-limits", help="override a tenant's plan limits")
+    limits.add_argument("tenant", help="tenant slug")
+    for field in LIMIT_FIELDS:
+        limits.add_argument(f"--{field.replace('_', '-')}", type=int, metavar="N")
+    limits.set_defaults(func=cmd_set_limits)
 
     user = sub.add_parser("create-user", help="create a console account (password prompted)")
     user.add_argument("email")

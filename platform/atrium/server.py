@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, ClassVar
 
 from django.conf import settings
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 class GuardedH11Protocol(H11Protocol):
     awaiting_headers: ClassVar[set[GuardedH11Protocol]] = set()
+    refused: ClassVar[int] = 0
+    last_refusal_log: ClassVar[float] = 0.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -31,7 +34,13 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.awaiting_headers) >= settings.ATRIUM_MAX_PENDING_CONNECTIONS:
-            log.warning("too many connections waiting for their headers; closing a new one")
+            GuardedH11Protocol.refused += 1
+            now = time.monotonic()
+            if now - GuardedH11Protocol.last_refusal_log >= 1.0:  # not once per connection
+                GuardedH11Protocol.last_refusal_log = now
+                log.warning("%d connections are waiting for their headers "
+                            "(ATRIUM_MAX_PENDING_CONNECTIONS); closed new ones, %d so far",
+                            len(self.awaiting_headers), GuardedH11Protocol.refused)
             transport.close()
             return
         self._await_headers()

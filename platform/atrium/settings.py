@@ -137,7 +137,17 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = ATRIUM_MAX_BODY_BYTES
 ATRIUM_HEADER_TIMEOUT_S = float(os.environ.get("ATRIUM_HEADER_TIMEOUT_S", "10"))
 ATRIUM_BODY_TIMEOUT_S = float(os.environ.get("ATRIUM_BODY_TIMEOUT_S", "30"))
 ATRIUM_UPLOAD_TIMEOUT_S = float(os.environ.get("ATRIUM_UPLOAD_TIMEOUT_S", "600"))
-ATRIUM_MAX_PENDING_CONNECTIONS = int(os.environ.get("ATRIUM_MAX_PENDING_CONNECTIONS", "512"))
+# NOTE: as many as the requests a process keeps open: a burst of new connections (each
+# waiting a moment for its headers) is legitimate; an idle one is closed by the timeout.
+ATRIUM_MAX_PENDING_CONNECTIONS = int(os.environ.get("ATRIUM_MAX_PENDING_CONNECTIONS", "4096"))
+# Load one web process takes on purpose (inference/relay.py, core/redis.py): requests it
+# keeps open at once (503 with Retry-After past it), the Redis connections its event loop
+# may hold (more wait for one, up to ATRIUM_REDIS_POOL_TIMEOUT_S, rather than fail), and
+# the idle time after which an SSE stream gets a keep-alive comment.
+ATRIUM_MAX_OPEN_REQUESTS = int(os.environ.get("ATRIUM_MAX_OPEN_REQUESTS", "4096"))
+ATRIUM_REDIS_MAX_CONNECTIONS = int(os.environ.get("ATRIUM_REDIS_MAX_CONNECTIONS", "64"))
+ATRIUM_REDIS_POOL_TIMEOUT_S = float(os.environ.get("ATRIUM_REDIS_POOL_TIMEOUT_S", "10"))
+ATRIUM_SSE_KEEPALIVE_S = float(os.environ.get("ATRIUM_SSE_KEEPALIVE_S", "15"))
 # Seconds a request may take end to end before it is stopped with 504.
 ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
 

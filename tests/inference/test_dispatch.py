@@ -12,6 +12,7 @@ from django.conf import settings
 
 from engine import protocol
 from inference.dispatch import Dispatch
+from inference.relay import EventHub
 from tests.engine.engine_testing import make_request
 
 MODEL = "m"
@@ -40,7 +41,9 @@ async def _an_engine_is_alive(client) -> None:
 async def _submitted(client) -> Dispatch:
     await _an_engine_is_alive(client)
     request = make_request([5, 6, 7], request_id="chatcmpl-abc", model=MODEL)
-    dispatch = Dispatch(client, request, deadline=time.time() + 30)
+    hub = EventHub(client)
+    dispatch = Dispatch(client, request, deadline=time.time() + 30,
+                        subscription=hub.subscribe())
     await dispatch.submit()
     return dispatch
 

@@ -1,0 +1,215 @@
+"""One reader per web process for every open request's events stream.
+
+A request waiting for tokens used to hold a Redis connection of its own, blocked in XREAD;
+the client's pool (100 connections by default) then capped the requests a web process
+could have open, and the 101st request failed wherever it next needed Redis. Here one
+task per process and event loop reads the events streams of all open requests with one
+blocking XREAD, on one connection, and hands each entry to the request it belongs to. A
+request that starts while that XREAD is blocked wakes it with an entry on the hub's own
+wake stream, so it is read at once.
+
+The hub is also where a web process bounds how many requests it keeps open
+(ATRIUM_MAX_OPEN_REQUESTS): a request past it is refused with a 503 before it costs
+anything, and the log says which limit was hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from core.redis import async_client
+from engine import protocol
+from inference.errors import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+# Entries read per stream and XREAD; an engine writes one entry per step per request.
+READ_COUNT = 64
+# A stream whose request has this many entries unread (a slow reader) is not read again
+# until it drains: the entries wait in Redis, not in this process.
+BUFFER_ENTRIES = 256
+# How long the hub's XREAD blocks when nothing wakes it.
+BLOCK_MS = 5_000
+# After Redis failed, how long the hub waits before it reads again.
+RETRY_S = 0.2
+WAKE_TTL_S = 60
+
+
+class Overloaded(ServiceUnavailable):
+    """This web process has as many requests open as it may (ATRIUM_MAX_OPEN_REQUESTS)."""
+
+    code = "overloaded"
+
+
+class Subscription:
+    """One request's place in the hub: the entries read for its events stream, in order.
+
+    Taken before the request is admitted (the process's open-request limit is checked
+    there), given its stream once the request has an id, and closed exactly once by the
+    request's cleanup.
+    """
+
+    def __init__(self, hub: EventHub) -> None:
+        self._hub = hub
+        self.stream: bytes | None = None
+        self.last_id = b"0-0"
+        self.entries: collections.deque[tuple[bytes, dict]] = collections.deque()
+        self.error: BaseException | None = None
+        self.paused = False
+        self.closed = False
+        self._ready = asyncio.Event()
+
+    def attach(self, request_id: str) -> None:
+        self.stream = protocol.events_stream(request_id).encode()
+        self._hub._attach(self)
+
+    async def read(self, timeout: float) -> list[tuple[bytes, dict]]:
+        """The entries read since the last call, waiting up to ``timeout`` seconds for one;
+        [] when none came. Raises ServiceUnavailable when Redis could not be read."""
+        if not self.entries and self.error is None:
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                return []
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise ServiceUnavailable("the connection to the engines was lost (Redis is "
+                                     "unreachable); retry shortly") from error
+        taken = list(self.entries)
+        self.entries.clear()
+        if self.paused:
+            self.paused = False
+            self._hub._resume()
+        return taken
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._hub._detach(self)
+
+    def _deliver(self, entries: list[tuple[bytes, dict]]) -> None:
+        self.entries.extend(entries)
+        self.last_id = entries[-1][0]
+        if len(self.entries) >= BUFFER_ENTRIES:
+            self.paused = True
+        self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self._ready.set()
+
+
+class EventHub:
+    """The events reader of one process and event loop (see the module's docstring)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.loop = asyncio.get_running_loop()
+        self._open: set[Subscription] = set()
+        self._streams: dict[bytes, Subscription] = {}
+        self._changed = asyncio.Event()
+        self._blocked = False
+        self._woken = False
+        self._wake_stream = f"{protocol.KEY_PREFIX}:wake:{uuid.uuid4().hex}".encode()
+        self._wake_id = b"0-0"
+        self._task: asyncio.Task | None = None
+        self._wakes: set[asyncio.Task] = set()
+        self._last_refusal_log = 0.0
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def subscribe(self) -> Subscription:
+        """A place for one more request; raises Overloaded past the process's limit."""
+        if len(self._open) >= settings.ATRIUM_MAX_OPEN_REQUESTS:
+            now = time.monotonic()
+            if now - self._last_refusal_log >= 1.0:  # once a second, not once a request
+                self._last_refusal_log = now
+                log.warning("refusing requests: this web process has %d open, its limit "
+                            "(ATRIUM_MAX_OPEN_REQUESTS)", len(self._open))
+            raise Overloaded("this server has too many requests open right now; retry "
+                             "shortly")
+        subscription = Subscription(self)
+        self._open.add(subscription)
+        return subscription
+
+    def _attach(self, subscription: Subscription) -> None:
+        assert subscription.stream is not None
+        self._streams[subscription.stream] = subscription
+        if self._task is None or self._task.done():
+            self._task = self.loop.create_task(self._run(), name="atrium-event-hub")
+        self._resume()
+
+    def _detach(self, subscription: Subscription) -> None:
+        self._open.discard(subscription)
+        if subscription.stream is not None and \
+                self._streams.get(subscription.stream) is subscription:
+            del self._streams[subscription.stream]
+
+    def _resume(self) -> None:
+        """The set of streams to read grew: the blocked XREAD is woken to read it."""
+        self._changed.set()
+        if self._blocked and not self._woken:
+            self._woken = True
+            wake = self.loop.create_task(self._wake())
+            self._wakes.add(wake)
+            wake.add_done_callback(self._wakes.discard)
+
+    async def _wake(self) -> None:
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_stream, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self._wake_stream, WAKE_TTL_S)
+                await pipe.execute()
+        except redis.RedisError:
+            pass  # the hub's own XREAD fails too and is retried
+
+    async def _run(self) -> None:
+        while True:
+            streams = {s: sub.last_id for s, sub in self._streams.items() if not sub.paused}
+            if not streams:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            streams[self._wake_stream] = self._wake_id
+            self._changed.clear()
+            self._blocked, self._woken = True, False
+            try:
+                reply = await self.client.xread(streams, count=READ_COUNT, block=BLOCK_MS)
+            except Exception as exc:  # noqa: BLE001 - Redis away, or a reply nobody foresaw
+                self._blocked = False
+                if not isinstance(exc, redis.RedisError):
+                    log.exception("the events reader failed; its requests are told so")
+                for subscription in list(self._streams.values()):
+                    subscription._fail(exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            self._blocked = False
+            for stream, entries in reply or ():
+                if stream == self._wake_stream:
+                    self._wake_id = entries[-1][0]
+                elif (subscription := self._streams.get(stream)) is not None and entries:
+                    subscription._deliver(entries)
+
+
+_hubs: dict[int, EventHub] = {}
+
+
+def event_hub() -> EventHub:
+    """The hub of the running event loop (one per process under the ASGI server)."""
+    loop = asyncio.get_running_loop()
+    hub = _hubs.get(id(loop))
+    if hub is None or hub.loop is not loop:
+        hub = EventHub(async_client())
+        _hubs[id(loop)] = hub
+    return hub
