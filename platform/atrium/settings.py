@@ -65,13 +65,14 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "core.middleware.ApiResponses",  # JSON and x-request-id on every API answer
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Django's own, skipped or run on the event loop for the inference API (core/middleware)
+    "core.middleware.Security",
+    "core.middleware.Sessions",
+    "core.middleware.Common",
+    "core.middleware.Csrf",
+    "core.middleware.Authentication",
+    "core.middleware.Messages",
+    "core.middleware.FrameOptions",
     "webui.middleware.ContentSecurityPolicy",
 ]
 
