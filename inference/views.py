@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from functools import wraps
 from typing import Any
 
@@ -60,16 +61,17 @@ def _json_body(request: HttpRequest) -> Any:
 async def _sse(chunks: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[bytes]:
     last_sent = time.monotonic()
     try:
-        async for chunk in chunks:
-            if chunk is None:
-                # Waiting in the queue or a long prefill: a comment line every so often, so
-                # proxies that cut idle connections keep this one.
-                if time.monotonic() - last_sent >= settings.ATRIUM_SSE_KEEPALIVE_S:
-                    last_sent = time.monotonic()
-                    yield b": keep-alive\n\n"
-                continue
-            last_sent = time.monotonic()
-            yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                if chunk is None:
+                    # Waiting in the queue or a long prefill: a comment line every so
+                    # often, so proxies that cut idle connections keep this one.
+                    if time.monotonic() - last_sent >= settings.ATRIUM_SSE_KEEPALIVE_S:
+                        last_sent = time.monotonic()
+                        yield b": keep-alive\n\n"
+                    continue
+                last_sent = time.monotonic()
+                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
     except ApiError as exc:
         # Headers are gone; OpenAI clients raise on a data line carrying "error".
         yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
@@ -78,42 +80,49 @@ async def _sse(chunks: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[by
 
 
 class EventStream(StreamingHttpResponse):
-    """An SSE response that cleans up after a stream nobody ever read.
+    """An SSE response that cleans up after a stream Django stopped reading.
 
-    A stream's own generators free its engine work, quota and log entry when they end,
-    but a client that hangs up after the view returned and before the server began
-    sending makes Django close the response with its generators never started, so their
-    cleanup would never run. `close()` then schedules `on_unsent` on the view's loop.
+    A stream's own generators free its engine work, quota and log entry when they end.
+    Two ends would skip that: a client that hangs up after the view returned and before
+    the server began sending (Django closes the response with its generators never
+    started), and a stream Django stops reading midway without a cancellation reaching
+    it (Django does not close the iterators it was reading). `close()` then schedules, on
+    the view's loop, `on_unsent` or the close of the stream's generators.
     """
 
-    _unsent_cleanups: set[asyncio.Future] = set()
+    _cleanups: set[asyncio.Future] = set()
 
     def __init__(self, events: AsyncIterator[bytes], *,
                  on_unsent: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
         self._started = False
         self._on_unsent = on_unsent
         self._loop = asyncio.get_running_loop()
-        super().__init__(self._marked(events), content_type="text/event-stream", **kwargs)
+        self._events = self._marked(events)
+        super().__init__(self._events, content_type="text/event-stream", **kwargs)
         self["Cache-Control"] = "no-cache"
         self["X-Accel-Buffering"] = "no"
 
     async def _marked(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         self._started = True
-        async for event in events:
-            yield event
+        # NOTE: each layer closes the one it reads, so closing this one runs the stream's
+        # cleanup now, not when the garbage collector gets to it.
+        async with aclosing(events):
+            async for event in events:
+                yield event
 
     def close(self) -> None:
         try:
             super().close()
         finally:
-            if not self._started:
-                self._started = True
-                self._loop.call_soon_threadsafe(self._clean_up)
+            # NOTE: a no-op for a stream that ended (or was cancelled) on its own.
+            cleanup = self._events.aclose if self._started else self._on_unsent
+            self._started = True
+            self._loop.call_soon_threadsafe(self._clean_up, cleanup)
 
-    def _clean_up(self) -> None:
-        cleanup = asyncio.ensure_future(self._on_unsent())
-        self._unsent_cleanups.add(cleanup)
-        cleanup.add_done_callback(self._unsent_cleanups.discard)
+    def _clean_up(self, cleanup: Callable[[], Awaitable[None]]) -> None:
+        task = asyncio.ensure_future(cleanup())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
 
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:

@@ -59,3 +59,31 @@ def test_a_stream_that_was_sent_leaves_cleanup_to_its_own_generators():
 
     assert _run(scenario) == [b"data: 1\n\n", b"data: [DONE]\n\n"]
     assert cleaned == []
+
+
+def test_a_stream_django_stopped_reading_midway_is_closed_down_its_chain():
+    closed = []
+
+    async def events():
+        try:
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n"
+        finally:
+            closed.append("the stream's own cleanup")
+
+    async def scenario():
+        async def unsent():
+            closed.append("unsent")
+
+        response = EventStream(events(), on_unsent=unsent)
+        parts = aiter(response)
+        first = await anext(parts)  # Django sent one part, then stopped (a stalled client)
+        await sync_to_async(response.close)()
+        for _ in range(200):  # the close is scheduled onto this loop: let it run
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        return first
+
+    assert _run(scenario) == b"data: 1\n\n"
+    assert closed == ["the stream's own cleanup"]
