@@ -6,13 +6,16 @@ forever, before anyone is authenticated. Here a connection must complete its req
 headers within ATRIUM_HEADER_TIMEOUT_S of opening (and of its previous response), and at
 most ATRIUM_MAX_PENDING_CONNECTIONS connections may be waiting for their headers at once;
 past that, a new connection is closed at once. The body's own deadline is the ASGI
-wrapper's (asgi.BodyLimit).
+wrapper's (asgi.BodyLimit). A client that stops reading a response (its buffers full) is
+cut after ATRIUM_STREAM_STALL_S, as if it had hung up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 from typing import Any, ClassVar
 
@@ -30,6 +33,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -76,8 +80,41 @@ class GuardedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self._await_headers()  # the next request on this connection: the same limit
 
+    def pause_writing(self) -> None:
+        """The connection's buffers are full (its client reads slower than it is sent to,
+        or not at all): it has ATRIUM_STREAM_STALL_S to drain, or it is cut."""
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(settings.ATRIUM_STREAM_STALL_S,
+                                                     self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_stall_timer()
+
+    def _stop_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        """Cut as a disconnect: what is buffered is dropped, the blocked sender released,
+        and the request ends as when its client hangs up (a stream stops its engine work,
+        settles its quota and is logged). Nothing else waited on this connection."""
+        self._stall_timer = None
+        log.warning("cut a connection from %s: its client read nothing for %g s "
+                    "(ATRIUM_STREAM_STALL_S)", self.client[0] if self.client else "?",
+                    settings.ATRIUM_STREAM_STALL_S)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # NOTE: a reset, not a close: a close would leave the kernel holding (and
+            # trying to send) what is buffered for a client that reads nothing.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_done()
+        self._stop_stall_timer()
         super().connection_lost(exc)
 
 

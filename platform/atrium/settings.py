@@ -149,6 +149,8 @@ ATRIUM_MAX_OPEN_REQUESTS = int(os.environ.get("ATRIUM_MAX_OPEN_REQUESTS", "4096"
 ATRIUM_REDIS_MAX_CONNECTIONS = int(os.environ.get("ATRIUM_REDIS_MAX_CONNECTIONS", "64"))
 ATRIUM_REDIS_POOL_TIMEOUT_S = float(os.environ.get("ATRIUM_REDIS_POOL_TIMEOUT_S", "10"))
 ATRIUM_SSE_KEEPALIVE_S = float(os.environ.get("ATRIUM_SSE_KEEPALIVE_S", "15"))
+# A connection whose client has read nothing of its response this long is cut.
+ATRIUM_STREAM_STALL_S = float(os.environ.get("ATRIUM_STREAM_STALL_S", "30"))
 # Seconds a request may take end to end before it is stopped with 504.
 ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
 

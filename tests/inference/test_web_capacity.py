@@ -1,16 +1,19 @@
 """What one web process takes on purpose: its open-request limit (503 with Retry-After,
-logged) and SSE keep-alives while a stream waits, on the real ASGI app and a real engine
-worker whose model is a clock (bench/paced_engine.py)."""
+logged), SSE keep-alives while a stream waits, a client that stops reading cut; on the
+real ASGI app and a real engine worker whose model is a clock (bench/paced_engine.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import socket
 
 import httpx
 import pytest
 
 from bench.paced_engine import PacedEngine
+from tests.inference.test_streaming_lifecycle import _usage_report
 from tests.live import start_engine
 
 
@@ -70,3 +73,59 @@ def test_past_the_process_limit_a_request_gets_503_with_retry_after(
                        json={"model": served_model, "max_tokens": 1,
                              "messages": [{"role": "user", "content": "now"}]})
     assert again.status_code == 200, again.text
+
+
+class _BigChunks(PacedEngine):
+    """4 KB a token: a client that does not read fills its connection's buffers fast."""
+
+    def step(self):
+        outputs = super().step()
+        for out in outputs:
+            out.text_delta = " " * 4000 + out.text_delta
+        return outputs
+
+
+@pytest.fixture
+def fast_engine(served_model, tiny_model_path, redis_client):
+    running = start_engine(tiny_model_path, served_model, "fast-engine",
+                           engine_factory=lambda _: _BigChunks(tokens_per_s=200))
+    yield running
+    running.stop.set()
+    running.thread.join(timeout=30)
+
+
+def test_a_client_that_stops_reading_is_cut_and_its_work_stopped(
+        settings, api_server, tenant_key, served_model, fast_engine, redis_client):
+    settings.ATRIUM_STREAM_STALL_S = 1.0
+    max_tokens = 2000  # ten seconds of tokens
+    host, port = api_server.removeprefix("http://").split(":")
+    body = json.dumps({"model": served_model, "stream": True, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "flood"}]}).encode()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    stalled.connect((host, int(port)))
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Authorization: Bearer " + tenant_key.key.encode() + b"\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += stalled.recv(1)
+    request_id = re.search(rb"x-request-id: (\S+)", head, re.I).group(1).decode()
+    # ... and then reads nothing. Another client's stream meanwhile is not held up.
+    with _stream(api_server, tenant_key.key, served_model, max_tokens=20) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    # The stalled one was cut: its engine work stopped well before max_tokens (the
+    # engine's own count, as billed), and its connection is closed before [DONE].
+    report = _usage_report(redis_client, request_id)
+    assert report.usage["completion_tokens"] < max_tokens, report.usage
+    stalled.settimeout(30)
+    received = b""
+    try:
+        while chunk := stalled.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass  # cut: what was buffered for it was dropped
+    assert b"[DONE]" not in received
+    stalled.close()
