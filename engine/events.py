@@ -53,9 +53,25 @@ class _Batch:
     commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     reported: list[str] = field(default_factory=list)  # requests whose usage report it holds
     made_at: float = field(default_factory=time.monotonic)
+    news: dict[str, dict[str, int]] = field(default_factory=dict)  # notify stream -> ids
 
     def add(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.commands.append((command, args, kwargs))
+
+    def add_event(self, request_id: str, event: protocol.Event, notify: str | None) -> None:
+        events = protocol.events_stream(request_id)
+        self.add("xadd", events, event.encode())
+        self.add("expire", events, protocol.EVENTS_TTL_S)
+        if notify:
+            self.news.setdefault(notify, {})[request_id] = 1
+
+    def seal(self) -> None:
+        """Tells each reader, in one entry, which of its requests this batch wrote to."""
+        for notify, request_ids in self.news.items():
+            self.add("xadd", notify, request_ids, maxlen=protocol.NOTIFY_STREAM_MAXLEN,
+                     approximate=True)
+            self.add("expire", notify, protocol.EVENTS_TTL_S)
+        self.news = {}
 
 
 class EventWriter:
@@ -99,18 +115,17 @@ class EventWriter:
         self._send(batch)
 
     def finish_unstarted(self, entry_id: bytes, request_id: str, event_type: str,
-                         data: dict[str, Any]) -> None:
+                         data: dict[str, Any], notify: str | None = None) -> None:
         """A request that never entered the engine: its only event, at seq 0, no usage."""
         event = protocol.Event(0, event_type, {**data, "usage": Usage().to_dict()})
-        self.write_final(entry_id, request_id, event)
+        self.write_final(entry_id, request_id, event, notify=notify)
 
     def write_final(self, entry_id: bytes, request_id: str, event: protocol.Event,
-                    request: protocol.EngineRequest | None = None) -> None:
+                    request: protocol.EngineRequest | None = None,
+                    notify: str | None = None) -> None:
         """``request`` given: it had been accepted, so its usage is reported for billing."""
-        events = protocol.events_stream(request_id)
         batch = self._batch()
-        batch.add("xadd", events, event.encode())
-        batch.add("expire", events, protocol.EVENTS_TTL_S)
+        batch.add_event(request_id, event, notify or (request and request.notify))
         if request is not None:
             self._report_usage(batch, request, event)
         self._settle(batch, entry_id)
@@ -144,6 +159,7 @@ class EventWriter:
         return _Batch(self._made)
 
     def _send(self, batch: _Batch) -> None:
+        batch.seal()
         self.backlog.append(batch)
         self.flush()
 
@@ -176,10 +192,8 @@ class EventWriter:
     def _append(self, batch: _Batch, request_id: str, event_type: str,
                 data: dict[str, Any]) -> protocol.Event:
         state = self.open[request_id]
-        events = protocol.events_stream(request_id)
         event = protocol.Event(state.next_seq, event_type, data)
-        batch.add("xadd", events, event.encode())
-        batch.add("expire", events, protocol.EVENTS_TTL_S)
+        batch.add_event(request_id, event, state.request.notify)
         state.next_seq += 1
         return event
 

@@ -86,7 +86,8 @@ class Intake:
                 data["choices"] = [{"index": i, "finish_reason": data["finish_reason"],
                                     "cumulative_logprob": 0.0}
                                    for i in range(request.num_choices)]
-            self.events.finish_unstarted(entry_id, rid, event_type, data)
+            self.events.finish_unstarted(entry_id, rid, event_type, data,
+                                         notify=request.notify)
         else:
             self.events.accept(entry_id, request, self.engine_id)
 

@@ -42,9 +42,35 @@ def events_stream(request_id: str) -> str:
     return f"{KEY_PREFIX}:events:{request_id}"
 
 
+def notify_stream(reader_id: str) -> str:
+    """Stream of one events reader (a web process's): each entry's field names are the ids
+    of requests whose events streams were written to; what it reads next."""
+    return f"{KEY_PREFIX}:notify:{reader_id}"
+
+
+NOTIFY_STREAM_MAXLEN = 10_000
+
+
 def cancel_key(request_id: str) -> str:
-    """Exists while a request is cancelled; engines check it every step."""
+    """Exists while a request is cancelled; an engine checks it when it takes the request."""
     return f"{KEY_PREFIX}:cancel:{request_id}"
+
+
+def cancels_stream(model: str) -> str:
+    """Ids of the model's requests cancelled, newest last; its engines read it every step."""
+    return f"{KEY_PREFIX}:cancels:{model}"
+
+
+CANCELS_STREAM_MAXLEN = 10_000
+
+
+def queue_cancel(pipe: Any, model: str, request_id: str) -> None:
+    """Queues a request's cancel on ``pipe`` (a MULTI, so both land or neither): the key an
+    engine that has not taken the request yet finds when it does, and the entry the engine
+    running it reads before its next step."""
+    pipe.set(cancel_key(request_id), b"1", ex=EVENTS_TTL_S)
+    pipe.xadd(cancels_stream(model), {"request_id": request_id},
+              maxlen=CANCELS_STREAM_MAXLEN, approximate=True)
 
 
 # Usage of every request an engine accepted, for the billing ledger (consumer group "billing").
@@ -120,6 +146,10 @@ class EngineRequest:
     # Prompts 1..P-1, each run like ``prompt_token_ids`` (prompt 0); prompt p's sample i is
     # choice p * n + i.
     extra_prompts: list[list[int]] = field(default_factory=list)
+    # ``notify_stream`` of the reader waiting for this request's events: every write of
+    # them also names the request there, so that reader reads the streams that have news
+    # instead of every open one. None: nobody is told; the reader finds them by polling.
+    notify: str | None = None
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self), separators=(",", ":"))}
@@ -136,7 +166,10 @@ class EngineRequest:
         if not isinstance(raw, dict):
             raise ValueError("the request must be a JSON object")
         raw["sampling"] = SamplingSpec(**_typed(SamplingSpec, raw.get("sampling"), "sampling"))
-        return cls(**_typed(cls, raw, "request"))
+        request = cls(**_typed(cls, raw, "request"))
+        if request.notify is not None and not request.notify.startswith(notify_stream("")):
+            raise ValueError(f"request.notify must name a stream {notify_stream('…')}")
+        return request
 
 
 # Event types on ``events_stream(request_id)``; every entry carries a ``seq``

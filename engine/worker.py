@@ -42,6 +42,7 @@ from engine.recovery import Recovery
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Path], EngineCore]
+CANCELS_READ = 1000  # cancels read per step at most; the rest the step after
 
 
 @dataclass(slots=True)
@@ -72,6 +73,7 @@ class Worker:
         self.engine_id = engine_id
         self.config = config
         self.stream = protocol.request_stream(model_name)
+        self.cancels = protocol.cancels_stream(model_name)
         self.events = EventWriter(client, self.stream, engine_id=engine_id)
         self.intake = Intake(client, engine, self.events, model_name=model_name,
                              engine_id=engine_id)
@@ -85,6 +87,7 @@ class Worker:
         # Deletions before this engine started concern adapters it never loaded: it reads on
         # from the stream's last entry at start-up (run).
         self._adapter_events_id: bytes | str = "0-0"
+        self._cancels_id: bytes | str = "0-0"  # likewise, the cancels stream's
         self._io_since = 0.0  # when the Redis calls under way began (monotonic)
         self._unreachable_since: float | None = None  # monotonic; None while Redis answers
         self._group_missing = False
@@ -93,7 +96,10 @@ class Worker:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
         self.ensure_group()
         self.heartbeat()
-        self._adapter_events_id = self._last_adapter_event_id()
+        self._adapter_events_id = self._last_entry_id(protocol.ADAPTER_EVENTS_STREAM)
+        # NOTE: before any request is taken: a cancel older than this is found by the
+        # request's cancel key when it is taken.
+        self._cancels_id = self._last_entry_id(self.cancels)
         self.recovery.run(own=True)  # what an earlier life of this engine_id left pending
         self._next_recovery = time.monotonic() + self.config.recovery_interval_s
         try:
@@ -164,8 +170,8 @@ class Worker:
                     time.monotonic() - (self._unreachable_since or 0.0))
         self._unreachable_since = None
 
-    def _last_adapter_event_id(self) -> bytes | str:
-        last = self.client.xrevrange(protocol.ADAPTER_EVENTS_STREAM, count=1)
+    def _last_entry_id(self, stream: str) -> bytes | str:
+        last = self.client.xrevrange(stream, count=1)
         return last[0][0] if last else "0-0"
 
     def read_adapter_events(self) -> None:
@@ -225,16 +231,19 @@ class Worker:
                     self.intake.start(entry_id, request)
 
     def abort_cancelled(self) -> None:
-        """One pipelined EXISTS over the cancel keys of everything this engine holds."""
-        ids = list(self.events.open)
-        if not ids:
-            return
-        with self.client.pipeline(transaction=False) as pipe:
-            for rid in ids:
-                pipe.exists(protocol.cancel_key(rid))
-            flags = pipe.execute()
-        cancelled = [rid for rid, flag in zip(ids, flags, strict=True) if flag]
-        self.events.publish([self._abort(rid, protocol.FINISH_CANCELLED) for rid in cancelled])
+        """Stops the requests cancelled since the last step: one read of the model's
+        cancels stream, whatever the number of requests held."""
+        reply = self.client.xread({self.cancels: self._cancels_id}, count=CANCELS_READ)
+        cancelled: dict[str, None] = {}
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                self._cancels_id = entry_id
+                rid = fields.get(b"request_id", b"").decode()
+                if rid in self.events.open:
+                    cancelled[rid] = None
+        if cancelled:
+            self.events.publish([self._abort(rid, protocol.FINISH_CANCELLED)
+                                 for rid in cancelled])
 
     def shutdown(self) -> None:
         """Fails what is still in the engine, then leaves the set of live engines."""

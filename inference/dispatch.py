@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 import redis
@@ -42,18 +42,51 @@ def _redis_lost() -> Iterator[None]:
 
 
 async def alive_engines(redis: aioredis.Redis, model: str) -> list[protocol.EngineHeartbeat]:
+    """The engines serving ``model`` whose heartbeat is fresh."""
+    return await _alive(redis, lambda beat: beat.model == model)
+
+
+async def _engine_alive(redis: aioredis.Redis, engine_id: str) -> bool:
+    return bool(await _alive(redis, lambda beat: beat.engine_id == engine_id))
+
+
+# The live engines as this process last read them, per event loop: (when, the read).
+_live: dict[int, tuple[float, asyncio.Task]] = {}
+# How long a read of the live engines that found what was asked for answers for everyone.
+LIVE_FOR_S = 0.5
+
+
+async def _alive(redis: aioredis.Redis, wanted: Callable[[protocol.EngineHeartbeat], bool]
+                 ) -> list[protocol.EngineHeartbeat]:
+    """The live engines ``wanted`` picks: from a read of them shared by every request of
+    the process for LIVE_FOR_S (a thousand open requests checking their engine each
+    second cost one read, not a thousand); when that read has none, from a new one, so an
+    engine that just started or a check just after it died is not answered from memory.
+    """
+    loop = asyncio.get_running_loop()
+    for fresh in (False, True):
+        at, read = _live.get(id(loop), (-LIVE_FOR_S, None))
+        stale = read is None or read.get_loop() is not loop or \
+            (read.done() and (read.cancelled() or read.exception() is not None or fresh
+                              or loop.time() - at >= LIVE_FOR_S))
+        if stale:
+            read = loop.create_task(_read_alive(redis))
+            _live[id(loop)] = (loop.time(), read)
+        since = time.time() - protocol.HEARTBEAT_TTL_S
+        # NOTE: shielded: a request cancelled while it waits leaves the read to the others.
+        beats = [b for b in await asyncio.shield(read) if b.sent_at >= since and wanted(b)]
+        if beats:
+            return beats
+    return []
+
+
+async def _read_alive(redis: aioredis.Redis) -> list[protocol.EngineHeartbeat]:
     since = time.time() - protocol.HEARTBEAT_TTL_S
     ids = await redis.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf")
     if not ids:
         return []
     docs = await redis.mget([protocol.engine_key(i.decode()) for i in ids])
-    beats = [protocol.EngineHeartbeat.decode(d) for d in docs if d]
-    return [b for b in beats if b.model == model and b.sent_at >= since]
-
-
-async def _engine_alive(redis: aioredis.Redis, engine_id: str) -> bool:
-    score = await redis.zscore(protocol.ENGINES_ZSET, engine_id)
-    return score is not None and score >= time.time() - protocol.HEARTBEAT_TTL_S
+    return [protocol.EngineHeartbeat.decode(d) for d in docs if d]
 
 
 class Dispatch:
@@ -63,9 +96,10 @@ class Dispatch:
                  deadline: float, subscription: Subscription) -> None:
         self.redis = redis
         self.request = request
-        # Where the process's one events reader (relay.py) puts this request's events.
+        # Where the process's one events reader (relay.py) puts this request's events;
+        # the engine tells that reader when it writes them.
         self.subscription = subscription
-        subscription.attach(request.request_id)
+        request.notify = subscription.attach(request.request_id)
         self.deadline = deadline
         self.entry_id: bytes | None = None
         self.owner: str | None = None
@@ -116,18 +150,17 @@ class Dispatch:
         # NOTE: one MULTI: an engine either read the entry before (it is pending, and that
         # engine will see the cancel key and write a final event) or never will.
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(protocol.cancel_key(self.request.request_id), b"1",
-                     ex=protocol.EVENTS_TTL_S)
+            protocol.queue_cancel(pipe, self.request.model, self.request.request_id)
             if queued:
                 # Still queued: take it off the stream so nothing is left behind.
                 pipe.xpending_range(stream, protocol.ENGINE_GROUP, min=self.entry_id,
                                     max=self.entry_id, count=1)
                 pipe.xdel(stream, self.entry_id)
             replies = await pipe.execute(raise_on_error=False)
-        if isinstance(replies[0], Exception):
-            raise replies[0]
+        if error := next((r for r in replies[:2] if isinstance(r, Exception)), None):
+            raise error
         if queued:
-            pending, deleted = replies[1], replies[2]
+            pending, deleted = replies[2], replies[3]
             # An error (no consumer group) tells nothing: the wait for a final event stays.
             self._unreachable = deleted == 1 and pending == []
 

@@ -3,10 +3,16 @@
 A request waiting for tokens used to hold a Redis connection of its own, blocked in XREAD;
 the client's pool (100 connections by default) then capped the requests a web process
 could have open, and the 101st request failed wherever it next needed Redis. Here one
-task per process and event loop reads the events streams of all open requests with one
-blocking XREAD, on one connection, and hands each entry to the request it belongs to. A
-request that starts while that XREAD is blocked wakes it with an entry on the hub's own
-wake stream, so it is read at once.
+task per process and event loop reads for all open requests, on one connection, and hands
+each entry to the request it belongs to.
+
+It does not read every open stream each time (one XREAD over N streams costs O(N), and
+would run for every step an engine makes): each request names the hub's notify stream
+(``EngineRequest.notify``), and an engine that writes events of requests also names them
+there, one entry per write. The hub blocks on its notify stream alone, then reads the
+streams named, so a read costs what has news. Every SWEEP_S it reads every open stream as
+well, for events written without a notice (an engine that does not send them, a notice
+trimmed away).
 
 The hub is also where a web process bounds how many requests it keeps open
 (ATRIUM_MAX_OPEN_REQUESTS): a request past it is refused with a 503 before it costs
@@ -36,11 +42,10 @@ READ_COUNT = 64
 # A stream whose request has this many entries unread (a slow reader) is not read again
 # until it drains: the entries wait in Redis, not in this process.
 BUFFER_ENTRIES = 256
-# How long the hub's XREAD blocks when nothing wakes it.
-BLOCK_MS = 5_000
+# How often every open stream is read, notice or not.
+SWEEP_S = 1.0
 # After Redis failed, how long the hub waits before it reads again.
 RETRY_S = 0.2
-WAKE_TTL_S = 60
 
 
 class Overloaded(ServiceUnavailable):
@@ -67,9 +72,12 @@ class Subscription:
         self.closed = False
         self._ready = asyncio.Event()
 
-    def attach(self, request_id: str) -> None:
+    def attach(self, request_id: str) -> str:
+        """Reads ``request_id``'s events stream from now on; returns the notify stream its
+        engine is to tell of writes (``EngineRequest.notify``)."""
         self.stream = protocol.events_stream(request_id).encode()
         self._hub._attach(self)
+        return self._hub.notify_stream
 
     async def read(self, timeout: float) -> list[tuple[bytes, dict]]:
         """The entries read since the last call, waiting up to ``timeout`` seconds for one;
@@ -77,7 +85,10 @@ class Subscription:
         if not self.entries and self.error is None:
             self._ready.clear()
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
+                # NOTE: asyncio.timeout, not wait_for: wait_for makes a task per call, and
+                # this runs once per token of every open stream.
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
             except TimeoutError:
                 return []
         if self.error is not None:
@@ -88,7 +99,7 @@ class Subscription:
         self.entries.clear()
         if self.paused:
             self.paused = False
-            self._hub._resume()
+            self._hub._resume(self)
         return taken
 
     def close(self) -> None:
@@ -114,13 +125,17 @@ class EventHub:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self.loop = asyncio.get_running_loop()
+        self.notify_stream = protocol.notify_stream(uuid.uuid4().hex)
+        self._notify_key = self.notify_stream.encode()
+        self._notify_id = b"0-0"
+        self._events_prefix = protocol.events_stream("").encode()
         self._open: set[Subscription] = set()
         self._streams: dict[bytes, Subscription] = {}
+        self._news: set[bytes] = set()  # streams that may have entries this hub has not read
+        self._next_sweep = 0.0
         self._changed = asyncio.Event()
         self._blocked = False
         self._woken = False
-        self._wake_stream = f"{protocol.KEY_PREFIX}:wake:{uuid.uuid4().hex}".encode()
-        self._wake_id = b"0-0"
         self._task: asyncio.Task | None = None
         self._wakes: set[asyncio.Task] = set()
         self._last_refusal_log = 0.0
@@ -148,7 +163,7 @@ class EventHub:
         self._streams[subscription.stream] = subscription
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._run(), name="atrium-event-hub")
-        self._resume()
+        self._changed.set()
 
     def _detach(self, subscription: Subscription) -> None:
         self._open.discard(subscription)
@@ -156,8 +171,10 @@ class EventHub:
                 self._streams.get(subscription.stream) is subscription:
             del self._streams[subscription.stream]
 
-    def _resume(self) -> None:
-        """The set of streams to read grew: the blocked XREAD is woken to read it."""
+    def _resume(self, subscription: Subscription) -> None:
+        """A paused stream drained: it is read again, at once."""
+        assert subscription.stream is not None
+        self._news.add(subscription.stream)
         self._changed.set()
         if self._blocked and not self._woken:
             self._woken = True
@@ -166,40 +183,65 @@ class EventHub:
             wake.add_done_callback(self._wakes.discard)
 
     async def _wake(self) -> None:
+        """An entry of the hub's own on its notify stream: the blocked XREAD returns."""
         try:
             async with self.client.pipeline(transaction=False) as pipe:
-                pipe.xadd(self._wake_stream, {"w": "1"}, maxlen=1, approximate=False)
-                pipe.expire(self._wake_stream, WAKE_TTL_S)
+                pipe.xadd(self._notify_key, {"": "wake"}, maxlen=protocol.NOTIFY_STREAM_MAXLEN,
+                          approximate=True)
+                pipe.expire(self._notify_key, protocol.EVENTS_TTL_S)
                 await pipe.execute()
         except redis.RedisError:
             pass  # the hub's own XREAD fails too and is retried
 
+    def _to_read(self) -> dict[bytes, bytes]:
+        """The streams to read now, each from its last entry read."""
+        now = self.loop.time()
+        if now >= self._next_sweep:
+            self._news.update(self._streams)
+            self._next_sweep = now + SWEEP_S
+        streams = {}
+        for stream in self._news:
+            subscription = self._streams.get(stream)
+            if subscription is not None and not subscription.paused:
+                streams[stream] = subscription.last_id
+        self._news.clear()  # NOTE: a paused stream's news is taken up by _resume
+        return streams
+
     async def _run(self) -> None:
         while True:
-            streams = {s: sub.last_id for s, sub in self._streams.items() if not sub.paused}
-            if not streams:
+            if not self._streams:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            streams[self._wake_stream] = self._wake_id
+            streams = self._to_read()
+            # Nothing known to read: wait for a notice, up to the next sweep.
+            block = None if streams else max(
+                1, int((self._next_sweep - self.loop.time()) * 1000))
+            streams[self._notify_key] = self._notify_id
             self._changed.clear()
-            self._blocked, self._woken = True, False
+            self._blocked, self._woken = block is not None, False
             try:
-                reply = await self.client.xread(streams, count=READ_COUNT, block=BLOCK_MS)
+                reply = await self.client.xread(streams, count=READ_COUNT, block=block)
             except Exception as exc:  # noqa: BLE001 - Redis away, or a reply nobody foresaw
                 self._blocked = False
                 if not isinstance(exc, redis.RedisError):
                     log.exception("the events reader failed; its requests are told so")
                 for subscription in list(self._streams.values()):
                     subscription._fail(exc)
+                self._next_sweep = 0.0  # once back, everything is read again
                 await asyncio.sleep(RETRY_S)
                 continue
             self._blocked = False
             for stream, entries in reply or ():
-                if stream == self._wake_stream:
-                    self._wake_id = entries[-1][0]
+                if stream == self._notify_key:
+                    self._notify_id = entries[-1][0]
+                    prefix = self._events_prefix
+                    self._news.update(prefix + request_id for _id, fields in entries
+                                      for request_id in fields)
                 elif (subscription := self._streams.get(stream)) is not None and entries:
                     subscription._deliver(entries)
+                    if len(entries) == READ_COUNT:  # there may be more
+                        self._news.add(stream)
 
 
 _hubs: dict[int, EventHub] = {}

@@ -13,17 +13,24 @@ from engine import protocol
 
 def make_request(prompt: list[int], *, request_id: str | None = None, model: str = "tiny",
                  deadline: float | None = None, extra_prompts: list[list[int]] | None = None,
-                 **sampling) -> protocol.EngineRequest:
+                 notify: str | None = None, **sampling) -> protocol.EngineRequest:
     sampling.setdefault("max_tokens", 8)
     sampling.setdefault("temperature", 0.0)
     return protocol.EngineRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, prompt_token_ids=prompt,
         sampling=protocol.SamplingSpec(**sampling), tenant_id="t1", deadline=deadline,
-        extra_prompts=extra_prompts or [])
+        extra_prompts=extra_prompts or [], notify=notify)
 
 
 def submit(client: redis.Redis, request: protocol.EngineRequest) -> bytes:
     return client.xadd(protocol.request_stream(request.model), request.encode())
+
+
+def cancel(client: redis.Redis, request: protocol.EngineRequest) -> None:
+    """Cancels the request as the platform does."""
+    with client.pipeline(transaction=True) as pipe:
+        protocol.queue_cancel(pipe, request.model, request.request_id)
+        pipe.execute()
 
 
 def read_events(client: redis.Redis, request_id: str, *, timeout: float = 20.0,

@@ -358,7 +358,7 @@ def test_the_worker_hears_of_deleted_adapters(tiny_model_dir, store_root, adapte
     digest = adapters["qv-r16"][1]
     eng.adapters.cache.load_now(digest)
     worker = Worker(redis_client, eng, model_name="tiny", engine_id="e", config=WorkerConfig())
-    worker._adapter_events_id = worker._last_adapter_event_id()
+    worker._adapter_events_id = worker._last_entry_id(protocol.ADAPTER_EVENTS_STREAM)
     redis_client.xadd(protocol.ADAPTER_EVENTS_STREAM,
                       {"type": "deleted", "adapter_hash": digest})
     worker.read_adapter_events()

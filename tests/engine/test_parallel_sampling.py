@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_testing import make_request, read_events, submit, two_choices_on_the_wire
+from engine_testing import cancel, make_request, read_events, submit, two_choices_on_the_wire
 from test_llm_engine import drain, request, text, tokens
 
 from engine import protocol
@@ -398,7 +398,7 @@ def test_the_event_stream_of_two_choices(start_worker, redis_client, tokenizer):
 
 def test_a_request_cancelled_before_it_starts_reports_every_choice(start_worker, redis_client):
     req = make_request(PROMPT, n=3, max_tokens=6)
-    redis_client.set(protocol.cancel_key(req.request_id), 1)
+    cancel(redis_client, req)
     submit(redis_client, req)
     start_worker()
     (final,) = read_events(redis_client, req.request_id)

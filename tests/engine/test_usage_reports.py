@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_testing import make_request, read_events, submit
+from engine_testing import cancel, make_request, read_events, submit
 from test_worker import LONG, PROMPT, RECOVER_FAST, _left_by_dead_engine
 
 from engine import protocol
@@ -31,7 +31,7 @@ def test_a_cancelled_request_reports_what_it_made(start_worker, redis_client):
     submit(redis_client, request)
     read_events(redis_client, request.request_id,
                 until=lambda e: e.type == protocol.EV_DELTA)
-    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    cancel(redis_client, request)
     final = read_events(redis_client, request.request_id)[-1]
     (report,) = _reports(redis_client)
     assert report.finish_reason == protocol.FINISH_CANCELLED

@@ -6,7 +6,7 @@ import json
 import time
 
 import redis
-from engine_testing import make_request, read_events, submit
+from engine_testing import cancel, make_request, read_events, submit
 from tokenizers import Tokenizer
 
 from engine import protocol
@@ -42,22 +42,71 @@ def test_request_gets_accepted_deltas_and_a_finish_with_usage(
     assert_queue_empty(redis_client)
 
 
-def test_cancel_key_mid_generation_finishes_cancelled_within_a_few_tokens(
+def test_a_cancel_mid_generation_finishes_cancelled_within_a_few_tokens(
         start_worker, redis_client):
     start_worker()
     request = make_request(PROMPT, **LONG)
     submit(redis_client, request)
     read_events(redis_client, request.request_id, until=lambda e: e.type == protocol.EV_DELTA)
-    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    cancel(redis_client, request)
     final = read_events(redis_client, request.request_id)[-1]
     assert final.type == protocol.EV_FINISH and final.data["finish_reason"] == "cancelled"
     assert final.data["usage"]["completion_tokens"] < LONG["max_tokens"] // 10
     assert_queue_empty(redis_client)
 
 
+def test_every_write_of_a_requests_events_names_it_on_its_readers_notify_stream(
+        start_worker, redis_client):
+    start_worker()
+    notify = protocol.notify_stream("reader-1")
+    request = make_request(PROMPT, max_tokens=5, notify=notify)
+    submit(redis_client, request)
+    events = read_events(redis_client, request.request_id)
+    notices = redis_client.xrange(notify)
+    assert {name for _id, fields in notices for name in fields} == \
+        {request.request_id.encode()}
+    # One notice per write (a write holds one event or more), the last one with the final
+    # event's write.
+    assert 1 <= len(notices) <= len(events)
+    (last_event_id, _), = redis_client.xrevrange(protocol.events_stream(request.request_id),
+                                                 count=1)
+    assert int(notices[-1][0].split(b"-")[0]) >= int(last_event_id.split(b"-")[0])
+    assert redis_client.ttl(notify) > 0
+
+
+def test_a_request_naming_another_key_to_notify_is_refused(start_worker, redis_client):
+    start_worker()
+    request = make_request(PROMPT, max_tokens=5, notify="atrium:usage")
+    submit(redis_client, request)
+    (event,) = read_events(redis_client, request.request_id)
+    assert event.type == protocol.EV_ERROR and "notify" in event.data["message"]
+    assert redis_client.type("atrium:usage") == b"none"
+
+
+def test_a_cancel_stops_only_its_request(start_worker, redis_client):
+    start_worker()
+    requests = [make_request(PROMPT, **LONG) for _ in range(3)]
+    for request in requests:
+        submit(redis_client, request)
+    for request in requests:
+        read_events(redis_client, request.request_id,
+                    until=lambda e: e.type == protocol.EV_DELTA)
+    cancel(redis_client, requests[1])
+    stopped = read_events(redis_client, requests[1].request_id)[-1]
+    assert stopped.data["finish_reason"] == "cancelled"
+    for other in (requests[0], requests[2]):
+        (_id, fields), = redis_client.xrevrange(protocol.events_stream(other.request_id),
+                                                count=1)
+        assert not protocol.Event.decode(fields).is_final  # still generating
+        cancel(redis_client, other)
+        final = read_events(redis_client, other.request_id)[-1]
+        assert final.data["usage"]["completion_tokens"] > \
+            stopped.data["usage"]["completion_tokens"]
+
+
 def test_request_cancelled_before_it_is_read_never_starts(start_worker, redis_client):
     request = make_request(PROMPT, **LONG)
-    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    cancel(redis_client, request)
     submit(redis_client, request)
     start_worker()
     events = read_events(redis_client, request.request_id)
@@ -198,7 +247,7 @@ def test_heartbeat_reports_running_requests(start_worker, redis_client):
     time.sleep(protocol.HEARTBEAT_INTERVAL_S * 1.5)
     beat = protocol.EngineHeartbeat.decode(redis_client.get(protocol.engine_key("engine-a")))
     assert beat.running == 1 and beat.stats["tokens_generated"] > 0
-    redis_client.set(protocol.cancel_key(request.request_id), 1)
+    cancel(redis_client, request)
     read_events(redis_client, request.request_id)
 
 

@@ -48,10 +48,15 @@ async def _submitted(client) -> Dispatch:
     return dispatch
 
 
-async def _engine_writes(client, request_id: str, *events: tuple[str, dict]) -> None:
-    for seq, (kind, data) in enumerate(events):
-        await client.xadd(protocol.events_stream(request_id),
+async def _engine_writes(client, dispatch: Dispatch, *events: tuple[str, dict],
+                         first_seq: int = 0) -> None:
+    """Events as an engine writes them: on the request's stream, each named on the
+    stream its reader is notified on."""
+    request = dispatch.request
+    for seq, (kind, data) in enumerate(events, start=first_seq):
+        await client.xadd(protocol.events_stream(request.request_id),
                           protocol.Event(seq, kind, data).encode())
+        await client.xadd(request.notify, {request.request_id: 1})
 
 
 def test_a_request_cancelled_before_any_engine_read_it_is_not_waited_for(redis_client):
@@ -77,18 +82,18 @@ def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(red
         # The engine read the entry, accepted it and generated; nothing was relayed yet.
         await client.xreadgroup(protocol.ENGINE_GROUP, "e1",
                                 {protocol.request_stream(MODEL): ">"})
-        await _engine_writes(client, "chatcmpl-abc",
+        await _engine_writes(client, dispatch,
                              (protocol.EV_ACCEPTED, {"engine_id": "e1"}),
                              (protocol.EV_DELTA, {"text": "ab", "token_ids": [1, 2]}))
         await dispatch.cancel()
 
         async def engine_sees_the_cancel():
             await asyncio.sleep(0.2)
-            await client.xadd(protocol.events_stream("chatcmpl-abc"), protocol.Event(
-                2, protocol.EV_DELTA, {"text": "c", "token_ids": [3]}).encode())
-            await client.xadd(protocol.events_stream("chatcmpl-abc"), protocol.Event(
-                3, protocol.EV_FINISH, {"finish_reason": protocol.FINISH_CANCELLED,
-                                        "usage": usage}).encode())
+            await _engine_writes(client, dispatch,
+                                 (protocol.EV_DELTA, {"text": "c", "token_ids": [3]}),
+                                 (protocol.EV_FINISH, {"finish_reason":
+                                                       protocol.FINISH_CANCELLED,
+                                                       "usage": usage}), first_seq=2)
 
         await asyncio.gather(engine_sees_the_cancel(), dispatch.wait_final(5.0))
         return dispatch
@@ -104,7 +109,7 @@ def test_without_a_final_event_the_count_is_what_recovery_would_report(redis_cli
         dispatch = await _submitted(client)
         await client.xreadgroup(protocol.ENGINE_GROUP, "e1",
                                 {protocol.request_stream(MODEL): ">"})
-        await _engine_writes(client, "chatcmpl-abc",
+        await _engine_writes(client, dispatch,
                              (protocol.EV_ACCEPTED, {"engine_id": "e1"}),
                              (protocol.EV_DELTA, {"text": "ab", "token_ids": [1, 2]}))
         await dispatch.cancel()

@@ -27,10 +27,13 @@ def _run(scenario):
     return asyncio.run(wrapped())
 
 
-async def _write(client, request_id: str, *seqs: int) -> None:
+async def _write(client, request_id: str, *seqs: int, notify: str | None = None) -> None:
+    """Events as an engine writes them: each also named on ``notify`` when given."""
     for seq in seqs:
         await client.xadd(protocol.events_stream(request_id),
                           protocol.Event(seq, protocol.EV_DELTA, {"text": str(seq)}).encode())
+        if notify:
+            await client.xadd(notify, {request_id: 1})
 
 
 async def _read_all(subscription, count: int) -> list[int]:
@@ -47,32 +50,63 @@ def test_many_requests_are_each_handed_their_own_events_in_order(redis_client):
         hub = EventHub(client)
         subscriptions = {f"r{i}": hub.subscribe() for i in range(50)}
         for request_id, subscription in subscriptions.items():
-            subscription.attach(request_id)
+            notify = subscription.attach(request_id)
         for seq in range(5):
             for request_id in subscriptions:
-                await _write(client, request_id, seq)
+                await _write(client, request_id, seq, notify=notify)
         return {rid: await _read_all(s, 5) for rid, s in subscriptions.items()}
 
     assert _run(scenario) == {f"r{i}": [0, 1, 2, 3, 4] for i in range(50)}
 
 
-def test_a_request_that_starts_while_the_reader_is_blocked_is_read_at_once(
-        redis_client, monkeypatch):
-    # The reader blocks a minute; only the wake lets the second request be read in time.
-    monkeypatch.setattr(relay, "BLOCK_MS", 60_000)
+def _counting_reads(client) -> list[int]:
+    """The number of streams in each XREAD the client sends from now on."""
+    sizes: list[int] = []
+    xread = client.xread
+
+    async def counted(streams, *args, **kwargs):
+        sizes.append(len(streams))
+        return await xread(streams, *args, **kwargs)
+
+    client.xread = counted
+    return sizes
+
+
+def test_a_notice_has_its_stream_read_at_once_and_alone(redis_client, monkeypatch):
+    # No sweep in this test: only the notice can get the stream read in time.
+    monkeypatch.setattr(relay, "SWEEP_S", 60.0)
 
     async def scenario(client):
         hub = EventHub(client)
-        first = hub.subscribe()
-        first.attach("first")
-        await asyncio.sleep(0.2)  # the reader is now blocked on the first stream alone
-        second = hub.subscribe()
-        second.attach("second")
-        await _write(client, "second", 0)
-        return await second.read(10.0)
+        waiting = [hub.subscribe() for _ in range(200)]
+        for i, subscription in enumerate(waiting):
+            notify = subscription.attach(f"idle{i}")
+        await asyncio.sleep(0.3)  # the first sweep is over: the reader waits for notices
+        sizes = _counting_reads(client)
+        late = hub.subscribe()
+        late.attach("late")
+        await _write(client, "late", 0, notify=notify)
+        entries = await late.read(10.0)
+        return [protocol.Event.decode(fields).seq for _, fields in entries], sizes
 
-    entries = _run(scenario)
-    assert [protocol.Event.decode(fields).seq for _, fields in entries] == [0]
+    seqs, sizes = _run(scenario)
+    assert seqs == [0]
+    # The stream with news and the notify stream; never the 200 without news.
+    assert sizes and max(sizes) <= 2, sizes
+
+
+def test_events_written_without_a_notice_are_read_by_the_sweep(redis_client, monkeypatch):
+    monkeypatch.setattr(relay, "SWEEP_S", 0.3)
+
+    async def scenario(client):
+        hub = EventHub(client)
+        subscription = hub.subscribe()
+        subscription.attach("quiet")
+        await asyncio.sleep(0.1)
+        await _write(client, "quiet", 0, 1)  # no notice
+        return await _read_all(subscription, 2)
+
+    assert _run(scenario) == [0, 1]
 
 
 def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(redis_client, monkeypatch):
@@ -82,8 +116,8 @@ def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(redis_client, monkey
     async def scenario(client):
         hub = EventHub(client)
         slow = hub.subscribe()
-        slow.attach("slow")
-        await _write(client, "slow", *range(30))
+        notify = slow.attach("slow")
+        await _write(client, "slow", *range(30), notify=notify)
         await asyncio.sleep(0.5)  # the reader had every chance to read on
         held = len(slow.entries)
         return held, await _read_all(slow, 30)
