@@ -13,6 +13,7 @@ Redis unreachable: lookups and changes raise ServiceUnavailable (fail closed).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterable
@@ -111,23 +112,43 @@ def principal_lookup_sync(*, plaintext: str) -> Principal | str:
 
 async def principal_lookup(*, plaintext: str) -> Principal | str:
     """`principal_lookup_sync` on the event loop: the database read runs in a thread."""
-    from tenants.selectors import key_state_by_digest
-
     if not keys.is_well_formed(plaintext):
         return DENIED_MALFORMED
     digest = keys.digest(plaintext)
-    client = async_client()
     try:
-        raw = await client.get(cache_key(digest))
-        if raw is None:
-            state = await sync_to_async(key_state_by_digest)(digest=digest)
-            value, ttl = _entry(state)
-            await client.set(cache_key(digest), value, ex=ttl, nx=True)
-        else:
-            state = _decode(raw)
+        raw = await async_client().get(cache_key(digest))
+        state = await _fill(digest) if raw is None else _decode(raw)
     except redis.RedisError as exc:
         raise ServiceUnavailable(_UNAVAILABLE) from exc
     return _usable(state)
+
+
+# The fills under way in this process: (event loop, digest) -> the one read of that key.
+_filling: dict[tuple[int, str], asyncio.Task] = {}
+
+
+async def _fill(digest: str) -> Principal | str:
+    """Reads a key missing from the cache, and caches it: once per process for all the
+    requests that miss it together (a burst on a key whose entry expired would otherwise
+    send every one of them to the database, one after another on its one thread)."""
+    loop = asyncio.get_running_loop()
+    key = (id(loop), digest)
+    task = _filling.get(key)
+    if task is None or task.get_loop() is not loop:
+        task = _filling[key] = loop.create_task(_read_and_cache(digest))
+        task.add_done_callback(lambda done: _filling.pop(key, None)
+                               if _filling.get(key) is done else None)
+    # NOTE: shielded: a request cancelled while it waits leaves the read to the others.
+    return await asyncio.shield(task)
+
+
+async def _read_and_cache(digest: str) -> Principal | str:
+    from tenants.selectors import key_state_by_digest
+
+    state = await sync_to_async(key_state_by_digest)(digest=digest)
+    value, ttl = _entry(state)
+    await async_client().set(cache_key(digest), value, ex=ttl, nx=True)
+    return state
 
 
 __all__ = ["Limits", "Principal", "cache_key", "key_cache_store", "principal_lookup",

@@ -187,3 +187,33 @@ def test_the_management_api_fails_closed_when_the_key_cache_is_out_of_reach(sett
     assert response.status_code == 503
     assert response.json()["error"]["message"] == ("authentication is unavailable right now; "
                                                    "retry shortly")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_of_requests_with_an_uncached_key_reads_the_database_once(monkeypatch,
+                                                                          redis_client):
+    import asyncio
+
+    from tenants import key_cache, keys, selectors
+    from tests.factories import key_factory, tenant_factory
+
+    key = key_factory(tenant_factory("burst"))
+    redis_client.delete(key_cache.cache_key(keys.digest(key.plaintext)))
+    reads = []
+    real = selectors.key_state_by_digest
+
+    def counted(**kwargs):
+        reads.append(kwargs)
+        time.sleep(0.2)  # a slow database: the others arrive while it is read
+        return real(**kwargs)
+
+    monkeypatch.setattr(selectors, "key_state_by_digest", counted)
+
+    async def burst():
+        return await asyncio.gather(*(key_cache.principal_lookup(plaintext=key.plaintext)
+                                      for _ in range(50)))
+
+    principals = asyncio.run(burst())
+    assert len(reads) == 1
+    assert {p.api_key_id for p in principals} == {key.id}
+    assert redis_client.exists(key_cache.cache_key(keys.digest(key.plaintext)))
