@@ -9,14 +9,41 @@ import re
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
 
+import django  # noqa: E402
+
+django.setup(set_prefix=False)
+
 from asgiref.sync import sync_to_async  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
-from django.core.asgi import get_asgi_application  # noqa: E402
-from django.urls import path  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.urls import get_resolver, path  # noqa: E402
 
-django_app = get_asgi_application()
+from core.middleware import INFERENCE_PREFIX  # noqa: E402
+
+
+class DjangoHandler(ASGIHandler):
+    """Django's ASGI handler, but a request to the inference API runs outside a
+    thread-sensitive context of its own.
+
+    NOTE: Django gives every request such a context, and the first thread-sensitive call in
+    it (the request_started receivers, on every request) starts a thread for that request
+    alone, joined when it ends: under a burst of a thousand streams, a thousand thread
+    starts and joins on the event loop. The inference views call nothing thread-sensitive
+    but those receivers and the key cache's database read on a miss; outside a context of
+    their own, those share the process's one thread-sensitive thread."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(INFERENCE_PREFIX):
+            return await self.handle(scope, receive, send)
+        return await super().__call__(scope, receive, send)
+
+
+django_app = DjangoHandler()
+# The URLconf, and every view it imports, now rather than on the first request: that
+# import holds the event loop for half a second, while the first burst after a start waits.
+get_resolver().url_patterns  # noqa: B018
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import socket
+import threading
 
 import httpx
 import pytest
@@ -129,3 +130,23 @@ def test_a_client_that_stops_reading_is_cut_and_its_work_stopped(
         pass  # cut: what was buffered for it was dropped
     assert b"[DONE]" not in received
     stalled.close()
+
+
+def test_inference_requests_start_no_thread_each(api_server, tenant_key, monkeypatch):
+    """Django's per-request thread-sensitive context starts a thread for each request that
+    calls anything thread-sensitive (its request_started receivers: all of them); the
+    inference API's requests run outside it."""
+    headers = {"Authorization": f"Bearer {tenant_key.key}"}
+    with httpx.Client(base_url=api_server, headers=headers, timeout=30) as client:
+        assert client.get("/v1/models").status_code == 200  # whatever starts once
+        started = []
+        real_start = threading.Thread.start
+
+        def counting_start(thread):
+            started.append(thread.name)
+            return real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", counting_start)
+        for _ in range(10):
+            assert client.get("/v1/models").status_code == 200
+    assert len(started) <= 2, started
