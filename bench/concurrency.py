@@ -2,17 +2,20 @@
 connections, for N open SSE streams.
 
 One `atrium web` process on a Redis server of its own, and an engine worker whose model is
-a clock (bench/paced_engine.py: every open request gets one token per tick, no batch limit,
-each token stamped with when the request entered the engine and when the token was made).
+a clock (bench/paced_engine.py: every open request streams at --tokens-per-s, no batch
+limit, each token stamped with when the request entered the engine and when the token was
+made; --lockstep: every request's token in one step, once a tick).
 For each N, N streams are opened over a short ramp and held open (each lives
 max_tokens / rate seconds), so all N are open at the peak. Per N it reports:
 
 - failures: anything but a complete stream (a non-200, an error event, a cut connection);
 - ttft_overhead_ms: what a client waited for its first token beyond the engine's own
   time to it (client TTFT - (token made - request entered the engine)): the web tier and
-  Redis, both ways; measured by 20 probe requests, one after another, while all N streams
-  are open (burst_ttft_overhead_ms: the same for the N streams themselves, which arrive
-  at --ramp-per-s and queue for admission behind each other);
+  Redis, both ways; measured by 100 probe requests, one after another, from a process of
+  their own (so the load generator's own event loop is not in the figure) once all N
+  streams are open and have had their first token (burst_ttft_overhead_ms: the same for
+  the N streams themselves, which arrive at --ramp-per-s and queue for admission behind
+  each other; burst_admitted_ms: from sending to the response's headers);
 - delivery_ms: token made -> token read by the client, over every token;
 - the web process's peak RSS and CPU (of one core) and its Redis connections (the
   process names its connections by pid; the most seen).
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -46,7 +50,7 @@ from tests.redis_server import RedisServer  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = "atrium-demo"
-PROBES = 20
+PROBES = 100
 
 
 def _cli(env: dict, home: Path, *args: str) -> str:
@@ -55,6 +59,12 @@ def _cli(env: dict, home: Path, *args: str) -> str:
     if done.returncode:
         raise SystemExit(f"atrium {' '.join(args)}: {done.stderr[-2000:]}")
     return done.stdout.strip()
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -78,8 +88,7 @@ class Web:
         return 0.0
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_s(self.proc.pid)
 
     def connections(self) -> int:
         name = f"atrium-{self.proc.pid}"
@@ -90,46 +99,76 @@ class Web:
         return named or sum(1 for c in clients if not c.get("name"))
 
 
-async def _stream(http: httpx.AsyncClient, key: str, max_tokens: int, out: dict) -> None:
+async def _body_lines(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[bytes]:
+    """The lines of a response body, chunked or read to the end."""
+    if not chunked:
+        while line := await reader.readline():
+            yield line.rstrip(b"\r\n")
+        return
+    pending = b""
+    while size := int((await reader.readline()).split(b";")[0], 16):
+        pending += (await reader.readexactly(size + 2))[:-2]
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+
+
+async def _stream(base: str, key: str, max_tokens: int, out: dict) -> None:
+    """One streamed chat completion over a connection of its own.
+
+    NOTE: HTTP by hand on asyncio streams, not httpx: with a thousand connections open,
+    httpx's pool and stream machinery made the load generator, not the server, what the
+    figures measured."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "hold"}]}).encode()
     sent = time.time()
     tokens = 0
+    writer = None
     try:
-        async with http.stream("POST", "/v1/chat/completions", headers={
-                "Authorization": f"Bearer {key}"}, json={
-                "model": MODEL, "stream": True, "max_tokens": max_tokens,
-                "messages": [{"role": "user", "content": "hold"}]}) as response:
-            if response.status_code != 200:
-                out["failures"].append(str(response.status_code))
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (host.encode(), key.encode(), len(body), body))
+        status = int((await reader.readline()).split()[1])
+        chunked = False
+        while (header := (await reader.readline()).lower()) not in (b"\r\n", b""):
+            chunked = chunked or (header.startswith(b"transfer-encoding:")
+                                  and b"chunked" in header)
+        if status != 200:
+            out["failures"].append(str(status))
+            return
+        out["admitted"].append((time.time() - sent) * 1000)
+        async for line in _body_lines(reader, chunked):
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.time()
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out["failures"].append(chunk["error"].get("code") or "error")
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                now = time.time()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out["failures"].append(chunk["error"].get("code") or "error")
-                    return
-                content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] \
-                    else None
-                if not content:
-                    continue
-                entered, made = (float(x) for x in content.split("/"))
-                out["delivery"].append((now - made) * 1000)
-                if tokens == 0:
-                    out["overhead"].append(((now - sent) - (made - entered)) * 1000)
-                tokens += 1
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] \
+                else None
+            if not content:
+                continue
+            entered, made = (float(x) for x in content.split("/"))
+            out["delivery"].append((now - made) * 1000)
+            if tokens == 0:
+                out["overhead"].append(((now - sent) - (made - entered)) * 1000)
+            tokens += 1
         if tokens != max_tokens:
             out["failures"].append(f"short:{tokens}")
-    except httpx.HTTPError as exc:
+    except (OSError, EOFError, ValueError, IndexError) as exc:
         out["failures"].append(type(exc).__name__)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 async def _measure(web: Web, base: str, key: str, n: int, *, max_tokens: int,
-                   ramp_per_s: float) -> dict:
-    out: dict[str, list] = {"failures": [], "delivery": [], "overhead": []}
-    http = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=60),
-                             limits=httpx.Limits(max_connections=n + 10,
-                                                 max_keepalive_connections=0))
+                   ramp_per_s: float, others: dict[str, int]) -> dict:
+    out: dict[str, list] = {"failures": [], "delivery": [], "overhead": [], "admitted": []}
     peak = {"rss": web.rss_mb(), "connections": 0}
     done = asyncio.Event()
 
@@ -142,25 +181,30 @@ async def _measure(web: Web, base: str, key: str, n: int, *, max_tokens: int,
 
     sampler = asyncio.create_task(sample())
     cpu0, t0 = web.cpu_s(), time.monotonic()
+    others0 = {name: _cpu_s(pid) for name, pid in others.items()}
     tasks = []
     for i in range(n):
-        tasks.append(asyncio.create_task(_stream(http, key, max_tokens, out)))
+        tasks.append(asyncio.create_task(_stream(base, key, max_tokens, out)))
         if ramp_per_s and (i + 1) % 50 == 0:
             await asyncio.sleep(50 / ramp_per_s)
-    # At the peak (every stream open, the ramp over): probes one after another, each a
-    # short stream of its own: the latency the web tier adds with N streams open.
-    await asyncio.sleep(2)
-    probes: dict[str, list] = {"failures": [], "delivery": [], "overhead": []}
-    for _ in range(PROBES):
-        if all(t.done() for t in tasks):
-            break
-        await _stream(http, key, 1, probes)
+    # At the peak (every stream open and streaming, the burst's queue gone): probes one
+    # after another, each a short stream of its own: the latency the web tier adds for a
+    # new request while N streams are open.
+    settled = time.monotonic() + 60
+    while len(out["overhead"]) + len(out["failures"]) < n and time.monotonic() < settled:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(3)  # the burst's last requests' own work (logs, settling) done
+    prober = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--probe", base, key, str(PROBES),
+        stdout=asyncio.subprocess.PIPE)
+    probes = json.loads((await prober.communicate())[0])
     await asyncio.gather(*tasks)
     wall = time.monotonic() - t0
     cpu = web.cpu_s() - cpu0
+    shares = {name: round((_cpu_s(pid) - others0[name]) / wall, 2)
+              for name, pid in others.items()}
     done.set()
     await sampler
-    await http.aclose()
     failures: dict[str, int] = {}
     for failure in out["failures"]:
         failures[failure] = failures.get(failure, 0) + 1
@@ -168,25 +212,47 @@ async def _measure(web: Web, base: str, key: str, n: int, *, max_tokens: int,
         "streams": n, "failures": sum(failures.values()), "failure_kinds": failures,
         "burst_ttft_overhead_ms_p50": _pct(out["overhead"], 0.5),
         "burst_ttft_overhead_ms_p99": _pct(out["overhead"], 0.99),
+        "burst_admitted_ms_p50": _pct(out["admitted"], 0.5),
+        "burst_admitted_ms_p99": _pct(out["admitted"], 0.99),
         "probes": len(probes["overhead"]), "probe_failures": len(probes["failures"]),
         "ttft_overhead_ms_p50": _pct(probes["overhead"], 0.5),
         "ttft_overhead_ms_p99": _pct(probes["overhead"], 0.99),
+        "probe_admitted_ms_p50": _pct(probes["admitted"], 0.5),
+        "probe_admitted_ms_p99": _pct(probes["admitted"], 0.99),
         "delivery_ms_p50": _pct(out["delivery"], 0.5),
         "delivery_ms_p99": _pct(out["delivery"], 0.99),
         "web_rss_mb_peak": round(peak["rss"], 1),
         "web_cpu_core_share": round(cpu / wall, 2), "wall_s": round(wall, 1),
+        "other_cpu_core_share": shares,
         "redis_connections_peak": peak["connections"],
     }
 
 
+async def _probe(base: str, key: str, count: int) -> dict:
+    """``count`` one-token streams, one after another."""
+    out: dict[str, list] = {"failures": [], "delivery": [], "overhead": [], "admitted": []}
+    for _ in range(count):
+        await _stream(base, key, 1, out)
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--probe"]:
+        base, key, count = sys.argv[2:5]
+        print(json.dumps(asyncio.run(_probe(base, key, int(count)))))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[100, 300, 1000, 3000])
     parser.add_argument("--tokens-per-s", type=float, default=1.0,
                         help="the engine's pace per stream")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="the engine makes every stream's token in one step")
     parser.add_argument("--max-tokens", type=int, default=20)
     parser.add_argument("--ramp-per-s", type=float, default=300.0,
                         help="streams opened per second (0: all at once)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the web process alone on CPU 0, everything else on the others "
+                             "(as when the load generator runs on another host)")
     parser.add_argument("--web-root", type=Path, default=ROOT,
                         help="the checkout whose web process is measured")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/concurrency.json")
@@ -216,11 +282,17 @@ def main() -> None:
         web_proc = subprocess.Popen(
             [sys.executable, "-c", "from atrium.cli import main; main()", "web", "--port",
              str(port)], env=web_env, cwd=args.web_root,
-            stdout=(home / "web.log").open("w"), stderr=subprocess.STDOUT)
+            stdout=(home / "web.log").open("w"), stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)
         procs.append(web_proc)
+        if args.pin:
+            others = set(range(os.cpu_count() or 1)) - {0}
+            os.sched_setaffinity(server.process.pid, others)
+            os.sched_setaffinity(0, others)  # this process, and the engine and probes it starts
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "bench.paced_engine", "--redis-url", server.url,
-             "--model-name", MODEL, "--tokens-per-s", str(args.tokens_per_s)],
+             "--model-name", MODEL, "--tokens-per-s", str(args.tokens_per_s),
+             *(["--lockstep"] if args.lockstep else [])],
             env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=(home / "engine.log").open("w")))
         base = f"http://127.0.0.1:{port}"
@@ -237,10 +309,12 @@ def main() -> None:
                                  + (home / "engine.log").read_text()[-3000:])
             time.sleep(0.5)
         web = Web(web_proc, server.url)
+        others = {"client": os.getpid(), "engine": procs[1].pid,
+                  "redis": server.process.pid}
         rows = []
         for n in args.streams:
             row = asyncio.run(_measure(web, base, key, n, max_tokens=args.max_tokens,
-                                       ramp_per_s=args.ramp_per_s))
+                                       ramp_per_s=args.ramp_per_s, others=others))
             print(json.dumps(row), flush=True)
             rows.append(row)
             time.sleep(2)
@@ -249,8 +323,11 @@ def main() -> None:
         result = {
             "bench": "concurrency", "web_root": str(args.web_root),
             "machine": f"{os.cpu_count()} CPUs, CPU only; client, web, engine and Redis "
-                       f"on the same machine",
-            "tokens_per_s_per_stream": args.tokens_per_s, "max_tokens": args.max_tokens,
+                       f"on the same machine" + (", the web process alone on CPU 0"
+                                                 if args.pin else ""),
+            "tokens_per_s_per_stream": args.tokens_per_s, "lockstep": args.lockstep,
+            "web_pinned_to_cpu0": args.pin,
+            "max_tokens": args.max_tokens,
             "ramp_per_s": args.ramp_per_s, "rows": rows,
             "max_streams_without_failure": top["streams"] if top else 0,
             "web_rss_mb_at_max": top["web_rss_mb_peak"] if top else None,
