@@ -282,6 +282,12 @@ async def _write_batches() -> None:
                     written.set_result(None)
 
 
+def wait_written(timeout: float) -> None:
+    """Blocks until the batches handed to the writer thread so far are written (tests: a
+    write still running when a test's database is flushed deadlocks with the flush)."""
+    _thread.submit(lambda: None).result(timeout=timeout)
+
+
 async def drain() -> None:
     """Waits for the writes scheduled so far (shutdown, tests)."""
     while _pending:

@@ -58,7 +58,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     from atrium.asgi import application
     from atrium.server import server_options
     from core import redis as core_redis
-    from inference import relay
+    from inference import relay, requestlog
 
     port = _free_port()
     server = _ThreadedServer(uvicorn.Config(application, host="127.0.0.1", port=port,
@@ -73,6 +73,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=10)
+    requestlog.wait_written(timeout=30)
     core_redis._async_clients.clear()
     relay._hubs.clear()
 

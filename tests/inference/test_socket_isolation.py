@@ -82,7 +82,8 @@ def test_fifty_malformed_messages_among_sixteen_streams_leave_every_stream_whole
             else:
                 assert message["type"] == "error", message
                 errors.append(message)
-    assert {cid: m["type"] for cid, m in ends.items()} == {cid: "done" for cid in tokens}
+    assert {cid: m["type"] for cid, m in ends.items()} == {cid: "done" for cid in tokens}, \
+        [m for m in ends.values() if m["type"] != "done"]
     assert all(count >= 1 for count in tokens.values()), tokens
     # Every malformed message had exactly one answer: a 4xx naming its id where it had one.
     assert sorted(map(str, (e["id"] for e in errors))) == sorted(map(str, sent_bad))
