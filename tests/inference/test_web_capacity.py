@@ -18,14 +18,19 @@ from tests.inference.test_streaming_lifecycle import _usage_report
 from tests.live import start_engine
 
 
-@pytest.fixture
-def paced_engine(served_model, tiny_model_path, redis_client):
-    """One token every two seconds: long waits between a stream's events."""
-    running = start_engine(tiny_model_path, served_model, "paced-engine",
-                           engine_factory=lambda _: PacedEngine(tokens_per_s=0.5))
+def _serving(model_path, model, engine_id, engine):
+    """``engine`` under the real worker loop, until the test ends."""
+    running = start_engine(model_path, model, engine_id, engine_factory=lambda _: engine)
     yield running
     running.stop.set()
     running.thread.join(timeout=30)
+
+
+@pytest.fixture
+def paced_engine(served_model, tiny_model_path, redis_client):
+    """One token every two seconds: long waits between a stream's events."""
+    yield from _serving(tiny_model_path, served_model, "paced-engine",
+                        PacedEngine(tokens_per_s=0.5))
 
 
 def _stream(api_server, key, model, max_tokens):
@@ -88,11 +93,8 @@ class _BigChunks(PacedEngine):
 
 @pytest.fixture
 def fast_engine(served_model, tiny_model_path, redis_client):
-    running = start_engine(tiny_model_path, served_model, "fast-engine",
-                           engine_factory=lambda _: _BigChunks(tokens_per_s=200))
-    yield running
-    running.stop.set()
-    running.thread.join(timeout=30)
+    yield from _serving(tiny_model_path, served_model, "fast-engine",
+                        _BigChunks(tokens_per_s=200))
 
 
 def test_a_client_that_stops_reading_is_cut_and_its_work_stopped(
