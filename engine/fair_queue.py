@@ -22,6 +22,10 @@ class FairQueue:
     def __len__(self) -> int:
         return self._len
 
+    def num_tenants(self) -> int:
+        """Tenants with a sequence waiting (one counted once per priority class)."""
+        return sum(len(tenants) for tenants in self._classes.values())
+
     def __iter__(self) -> Iterator[Sequence]:
         for priority in sorted(self._classes):
             for queue in self._classes[priority].values():

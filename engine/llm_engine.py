@@ -306,7 +306,7 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.num_blocks - self.kv.num_free_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
-            "kv_usage": round(self.kv.usage, 4),
+            "kv_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.stats.queries,
             "prefix_cache_hits": self.kv.stats.hits,
             "prefix_cache_hit_rate": round(self.kv.stats.hit_rate, 4),
@@ -315,7 +315,18 @@ class LLMEngine:
             "prompt_tokens_per_s": round(m.prompt_rate.rate(now), 2),
             "generation_tokens_per_s": round(m.generation_rate.rate(now), 2),
             "requests_finished": dict(m.requests_finished), "steps": m.steps,
-            "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(),
+            "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(), "e2e": m.e2e.to_dict(),
+            "queue": m.queue.to_dict(),
+            "tenants_waiting": self.scheduler.waiting.num_tenants(),
             "adapters_in_slots": sorted(self.scheduler.slots.slot_of)
             if self.scheduler.slots else [],
+            "time": time.time(),
+            **self._adapter_snapshot(),
         }
+
+    def _adapter_snapshot(self) -> dict[str, Any]:
+        if self.adapters is None:
+            return {"lora": None, "adapter_slot_evictions": 0, "adapter_load": None}
+        return {"lora": self.adapters.info(self.scheduler.waiting),
+                "adapter_slot_evictions": self.adapters.slots.evictions,
+                "adapter_load": self.adapters.cache.load_seconds.to_dict()}

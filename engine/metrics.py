@@ -20,8 +20,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                  120.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A whole request, or its wait in the queue: seconds to minutes.
+REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                     600.0)
+ADAPTER_LOAD_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 @dataclass(slots=True)
@@ -69,6 +74,8 @@ class EngineMetrics:
     steps: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
+    e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS_S))
+    queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS_S))
     prompt_rate: RateWindow = field(default_factory=RateWindow)
     generation_rate: RateWindow = field(default_factory=RateWindow)
 
@@ -81,30 +88,46 @@ class EngineMetrics:
         self.prompt_rate.add(prompt_tokens, now)
         self.generation_rate.add(generation_tokens, now)
 
-    def record_finish(self, reason: str) -> None:
+    def record_finish(self, reason: str, *, total_s: float, queue_s: float) -> None:
+        """A request ended: ``total_s`` from arrival to its end, ``queue_s`` of it waiting
+        for its first step."""
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+        self.e2e.observe(total_s)
+        self.queue.observe(queue_s)
 
 
+# Each engine's series carry these labels, as vLLM's do: the model served and the engine.
+LABELS = ("model_name", "engine")
+
+# vLLM's names (docs/observability.md), so dashboards, KEDA triggers and the Gateway API
+# inference extension's endpoint picker read an Atrium engine as they read vLLM.
 _GAUGES = (  # (name, snapshot key, help)
-    ("queue_depth", "waiting", "Requests waiting in the engine."),
-    ("running_sequences", "running", "Sequences in the running batch."),
-    ("kv_blocks_used", "kv_blocks_used", "KV cache blocks held by sequences."),
-    ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free (cached ones included)."),
-    ("prompt_tokens_per_second", "prompt_tokens_per_s", "Prompt tokens/s over the last 10 s."),
-    ("generation_tokens_per_second", "generation_tokens_per_s",
-     "Generated tokens/s over the last 10 s."),
+    ("vllm:num_requests_running", "running", "Requests in the running batch."),
+    ("vllm:num_requests_waiting", "waiting", "Requests waiting to run."),
+    ("vllm:kv_cache_usage_perc", "kv_usage", "KV-cache usage; 1 is full."),
+    ("atrium_engine_kv_blocks_total", "kv_blocks_total", "KV cache blocks."),
+    ("atrium_engine_kv_blocks_used", "kv_blocks_used", "KV cache blocks held by requests."),
+    ("atrium_engine_tenants_waiting", "tenants_waiting",
+     "Tenants with requests waiting (the fair queue's round-robin)."),
 )
 _COUNTERS = (  # (name, snapshot key, help); the exposition appends _total
-    ("prefix_cache_queries", "prefix_cache_queries",
+    ("vllm:prefix_cache_queries", "prefix_cache_queries",
      "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
-    ("preemptions", "preemptions", "Sequences preempted for KV space."),
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens computed."),
-    ("generation_tokens", "generation_tokens", "Tokens generated."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("vllm:num_preemptions", "preemptions", "Requests preempted for KV space."),
+    ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens computed."),
+    ("vllm:generation_tokens", "generation_tokens", "Tokens generated."),
+    ("atrium_engine_steps", "steps", "Engine steps that ran the model."),
+    ("atrium_engine_adapter_slot_evictions", "adapter_slot_evictions",
+     "LoRA adapters moved out of a device slot to make room for another."),
 )
 _HISTOGRAMS = (  # (name, snapshot key, help)
-    ("time_to_first_token_seconds", "ttft", "Time to first token."),
-    ("inter_token_latency_seconds", "itl", "Time between output tokens."),
+    ("vllm:time_to_first_token_seconds", "ttft", "Time from arrival to the first token."),
+    ("vllm:inter_token_latency_seconds", "itl", "Time between a request's output tokens."),
+    ("vllm:e2e_request_latency_seconds", "e2e", "Time from arrival to the request's end."),
+    ("vllm:request_queue_time_seconds", "queue", "Time from arrival to the first step."),
+    ("atrium_engine_adapter_load_seconds", "adapter_load",
+     "Time to load a LoRA adapter from the store into host memory."),
 )
 
 
@@ -116,49 +139,59 @@ class SnapshotCollector:
     replaced whole, never mutated, so a scrape reads one consistent moment without a lock.
     """
 
-    def __init__(self, latest: Callable[[], dict[str, Any] | None],
-                 labels: dict[str, str]) -> None:
+    def __init__(self, latest: Callable[[], dict[str, Any] | None], *, model_name: str,
+                 engine: str) -> None:
         self._latest = latest
-        self._names = sorted(labels)
-        self._values = [str(labels[name]) for name in self._names]
+        self._values = [model_name, engine]
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._latest()
         if snapshot is None:
             return
-        names, values = self._names, self._values
+        names, values = list(LABELS), self._values
         for name, key, help_text in _GAUGES:
-            gauge = GaugeMetricFamily(f"atrium_{name}", help_text, labels=names)
+            gauge = GaugeMetricFamily(name, help_text, labels=names)
             gauge.add_metric(values, snapshot[key])
             yield gauge
         for name, key, help_text in _COUNTERS:
-            counter = CounterMetricFamily(f"atrium_{name}", help_text, labels=names)
+            counter = CounterMetricFamily(name, help_text, labels=names)
             counter.add_metric(values, snapshot[key])
             yield counter
-        finished = CounterMetricFamily("atrium_requests_finished",
-                                       "Requests ended, by finish reason.",
-                                       labels=[*names, "finish_reason"])
+        finished = CounterMetricFamily("vllm:request_success", "Requests ended, by reason.",
+                                       labels=[*names, "finished_reason"])
         for reason, count in sorted(snapshot["requests_finished"].items()):
             finished.add_metric([*values, reason], count)
         yield finished
         for name, key, help_text in _HISTOGRAMS:
-            hist = snapshot[key]
+            if (hist := snapshot.get(key)) is None:
+                continue
             bounds = [*map(floatToGoString, hist["buckets"]), "+Inf"]
-            family = HistogramMetricFamily(f"atrium_{name}", help_text, labels=names)
+            family = HistogramMetricFamily(name, help_text, labels=names)
             family.add_metric(values, list(zip(bounds, accumulate(hist["counts"]), strict=True)),
                               hist["sum"])
             yield family
+        if (lora := snapshot.get("lora")) is not None:
+            # As vLLM: one series whose labels are the adapters running and waiting now
+            # (comma-separated) and whose value is when that was so; readers take the
+            # newest.
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info", "LoRA adapters running and waiting.",
+                labels=[*names, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([*values, str(lora["max_lora"]), ",".join(lora["running"]),
+                             ",".join(lora["waiting"])], snapshot["time"])
+            yield info
 
 
-def engine_registry(latest: Callable[[], dict[str, Any] | None],
-                    labels: dict[str, str]) -> CollectorRegistry:
+def engine_registry(latest: Callable[[], dict[str, Any] | None], *, model_name: str,
+                    engine: str) -> CollectorRegistry:
     """A registry of one engine's own, never the process-wide default: engines in one
     process (the tests run several) each export only themselves."""
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(latest, labels))
+    registry.register(SnapshotCollector(latest, model_name=model_name, engine=engine))
     return registry
 
 
-def render_prometheus(snapshot: dict[str, Any], labels: dict[str, str]) -> str:
+def render_prometheus(snapshot: dict[str, Any], *, model_name: str, engine: str) -> str:
     """The Prometheus text format of one engine's ``snapshot``."""
-    return generate_latest(engine_registry(lambda: snapshot, labels)).decode()
+    return generate_latest(engine_registry(lambda: snapshot, model_name=model_name,
+                                           engine=engine)).decode()

@@ -15,10 +15,10 @@ from engine.metrics import engine_registry
 log = logging.getLogger(__name__)
 
 
-def serve_metrics(latest: Callable[[], dict[str, Any] | None], *, port: int,
-                  labels: dict[str, str], host: str = "127.0.0.1") -> ThreadingHTTPServer:
+def serve_metrics(latest: Callable[[], dict[str, Any] | None], *, port: int, model_name: str,
+                  engine: str, host: str = "127.0.0.1") -> ThreadingHTTPServer:
     """Serves ``latest()`` (the engine's last heartbeat snapshot) from a daemon thread."""
-    registry = engine_registry(latest, labels)
+    registry = engine_registry(latest, model_name=model_name, engine=engine)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server interface

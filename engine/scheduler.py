@@ -296,9 +296,9 @@ class Scheduler:
         self._release(seq, reason)
         group = seq.group
         if group is None:
-            self.metrics.record_finish(reason or "error")
+            usage = self._finished(seq, reason)
             return RequestOutput(seq.request_id, text_delta=text, token_ids=token_ids or [],
-                                 finished=True, finish_reason=reason, usage=usage_of(seq),
+                                 finished=True, finish_reason=reason, usage=usage,
                                  error=error)
         if group.running:
             return RequestOutput(group.request_id, text_delta=text, token_ids=token_ids or [],
@@ -318,11 +318,17 @@ class Scheduler:
                index: int = 0, text: str = "", token_ids: list[int] | None = None
                ) -> RequestOutput:
         del self.groups[group.request_id]
-        self.metrics.record_finish(reason or "error")
         return RequestOutput(group.request_id, text_delta=text, token_ids=token_ids or [],
                              finished=True, finish_reason=reason,
-                             usage=usage_of(group.members[0]), error=error, index=index,
-                             choices=group.choices(reason))
+                             usage=self._finished(group.members[0], reason), error=error,
+                             index=index, choices=group.choices(reason))
+
+    def _finished(self, seq: Sequence, reason: str | None) -> Usage:
+        """A request's usage as it ends; counted in the metrics."""
+        usage = usage_of(seq)
+        self.metrics.record_finish(reason or "error", total_s=usage.total_s,
+                                   queue_s=usage.queue_s)
+        return usage
 
     def _release(self, seq: Sequence, reason: str | None) -> None:
         """Takes a sequence out of the queues and gives back its KV blocks and slot."""

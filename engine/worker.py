@@ -390,7 +390,7 @@ def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
 
         server = serve_metrics(lambda: worker.last_snapshot, host=metrics_host,
                                port=metrics_port,
-                               labels={"engine_id": engine_id, "model": model_name})
+                               model_name=model_name, engine=engine_id)
     try:
         worker.run(stop or threading.Event())
     finally:

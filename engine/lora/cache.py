@@ -9,6 +9,7 @@ of the others go.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -16,6 +17,7 @@ import torch
 
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
 from engine.lora.store import AdapterStore
+from engine.metrics import ADAPTER_LOAD_BUCKETS_S, Histogram
 from engine.models.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ class AdapterCache:
         self._pending: dict[str, Future[LoRAAdapter]] = {}
         self._refs: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
+        # NOTE: written by the one loading thread (and at start, before it runs).
+        self.load_seconds = Histogram(ADAPTER_LOAD_BUCKETS_S)
 
     def __contains__(self, adapter_hash: str) -> bool:
         return adapter_hash in self._loaded
@@ -88,6 +92,12 @@ class AdapterCache:
             self._loaded.pop(adapter_hash, None)
 
     def _load(self, adapter_hash: str) -> LoRAAdapter:
+        started = time.monotonic()
+        adapter = self._read(adapter_hash)
+        self.load_seconds.observe(time.monotonic() - started)
+        return adapter
+
+    def _read(self, adapter_hash: str) -> LoRAAdapter:
         if not self.store.exists(adapter_hash) and self.store.can_fetch:
             try:
                 self.store.fetch(adapter_hash)

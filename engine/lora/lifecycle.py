@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,7 @@ class AdapterLifecycle:
                         "adapter are refused", self.slots.num_slots)
         self._loading: dict[str, list[Sequence]] = {}  # adapter hash -> sequences waiting
         self._adapter_of: dict[str, str] = {}  # request id -> adapter hash, until it ends
+        self.names: dict[str, str] = {}  # adapter hash -> the name requests call it by
 
     # -- what the engine asks ---------------------------------------------------------------
 
@@ -68,6 +69,8 @@ class AdapterLifecycle:
                              f"pinned adapters fill all its LoRA slots")
         if not self.cache.store.exists(adapter_hash) and not self.cache.store.can_fetch:
             raise ValueError(f"adapter {name or adapter_hash} is not in the adapter store")
+        if name:
+            self.names[adapter_hash] = name  # for the metrics (vllm:lora_requests_info)
 
     def hold(self, seq: Sequence) -> bool:
         """Holds the sequence's adapter until it finishes; True when the adapter is in host
@@ -79,6 +82,14 @@ class AdapterLifecycle:
             return True
         self._loading.setdefault(adapter_hash, []).append(seq)
         return False
+
+    def info(self, waiting: Iterable[Sequence]) -> dict[str, Any]:
+        """Adapters running (in a slot, used by a running sequence) and waiting (loading,
+        or queued behind ``waiting``), by name, and the slots there are."""
+        queued = {s.adapter_hash for s in waiting if s.adapter_hash} | set(self._loading)
+        return {"max_lora": self.slots.num_slots,
+                "running": sorted(self.names.get(a, a) for a in self.slots.users),
+                "waiting": sorted(self.names.get(a, a) for a in queued)}
 
     def holds_request(self, request_id: str) -> bool:
         return any(s.request_id == request_id for w in self._loading.values() for s in w)

@@ -21,6 +21,7 @@ class AdapterSlots:
         self.pinned = frozenset(pinned)
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running sequences per adapter in a slot
+        self.evictions = 0  # adapters moved out of their slot for another
         self._free = list(range(num_slots - 1, -1, -1))
         self._idle: OrderedDict[str, int] = OrderedDict()  # in a slot, unused: LRU first
         for adapter in pinned:
@@ -42,6 +43,7 @@ class AdapterSlots:
                 evicted, slot = self._idle.popitem(last=False)
                 del self.slot_of[evicted]
                 self._free.append(slot)
+                self.evictions += 1
             self._place(adapter)
         self._idle.pop(adapter, None)
         self.users[adapter] = self.users.get(adapter, 0) + 1

@@ -294,10 +294,11 @@ def test_metrics_snapshot_and_prometheus_text(tiny_model_dir, prompts):
     assert snap["generation_tokens"] == 15 and snap["requests_finished"] == {"length": 3}
     assert snap["ttft"]["count"] == 3 and snap["itl"]["count"] == 12
     assert snap["prefix_cache_hit_rate"] > 0
-    text_format = render_prometheus(snap, {"engine_id": "e1", "model": "tiny"})
-    assert 'atrium_generation_tokens_total{engine_id="e1",model="tiny"} 15' in text_format
-    assert 'atrium_time_to_first_token_seconds_count{engine_id="e1",model="tiny"} 3' in text_format
-    assert "# TYPE atrium_kv_blocks_used gauge" in text_format
+    text_format = render_prometheus(snap, model_name="tiny", engine="e1")
+    assert 'vllm:generation_tokens_total{engine="e1",model_name="tiny"} 15.0' in text_format
+    assert 'vllm:time_to_first_token_seconds_count{engine="e1",model_name="tiny"} 3.0' \
+        in text_format
+    assert "# TYPE vllm:kv_cache_usage_perc gauge" in text_format
 
 
 def test_a_flooding_tenant_does_not_starve_a_quiet_one(tiny_model_dir, prompts):

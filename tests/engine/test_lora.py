@@ -363,3 +363,38 @@ def test_the_worker_hears_of_deleted_adapters(tiny_model_dir, store_root, adapte
                       {"type": "deleted", "adapter_hash": digest})
     worker.read_adapter_events()
     assert digest not in eng.adapters
+
+
+def test_metrics_name_the_adapters_running_and_waiting(tiny_model_dir, store_root, adapters):
+    """vllm:lora_requests_info as vLLM writes it (what the inference extension's endpoint
+    picker reads), and the adapter extras: load times and slot evictions."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.metrics import render_prometheus
+
+    def scrape() -> dict[str, list]:
+        text = render_prometheus(eng.snapshot(), model_name="tiny", engine="e1")
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    eng = engine(tiny_model_dir, store_root, max_loras=2)
+    names = list(ADAPTERS)[:3]
+    for name in names:
+        eng.add_request(adapter_request(name, PROMPTS[1], name, adapters, ignore_eos=True))
+    while eng.num_running() < 2:  # adapters load in the background
+        eng.step()
+    [info] = scrape()["vllm:lora_requests_info"]
+    running = info.labels["running_lora_adapters"].split(",")
+    assert info.labels["max_lora"] == "2" and len(running) == 2
+    assert set(running) | {info.labels["waiting_lora_adapters"]} == set(names)
+    assert info.value > 1e9  # when: a Unix time, as vLLM's
+    drain(eng)
+    metrics = scrape()
+    [info] = metrics["vllm:lora_requests_info"]
+    assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""
+    loads = {s.name: s.value for s in metrics["atrium_engine_adapter_load_seconds"]
+             if not s.labels.get("le")}
+    assert loads["atrium_engine_adapter_load_seconds_count"] == 3
+    assert loads["atrium_engine_adapter_load_seconds_sum"] > 0
+    # The third adapter took the slot of one that had finished.
+    [evictions] = metrics["atrium_engine_adapter_slot_evictions"]
+    assert evictions.value == 1

@@ -30,8 +30,9 @@ def _flags(monkeypatch, **env: str) -> argparse.Namespace:
 
 
 @contextmanager
-def _served(latest: Callable[[], dict[str, Any] | None], **labels: str) -> Iterator[int]:
-    server = serve_metrics(latest, port=0, labels=labels)
+def _served(latest: Callable[[], dict[str, Any] | None], *, model_name: str = "tiny",
+            engine: str = "e1") -> Iterator[int]:
+    server = serve_metrics(latest, port=0, model_name=model_name, engine=engine)
     try:
         yield server.server_address[1]
     finally:
@@ -55,7 +56,7 @@ def _value(samples: list[Sample], name: str, **labels: str) -> float | None:
 def test_metrics_listen_on_loopback_by_default(monkeypatch):
     monkeypatch.delenv("ATRIUM_METRICS_HOST", raising=False)
     assert _flags(monkeypatch).metrics_host == "127.0.0.1"
-    server = serve_metrics(lambda: None, port=0, labels={})
+    server = serve_metrics(lambda: None, port=0, model_name="tiny", engine="e1")
     try:
         assert server.server_address[0] == "127.0.0.1"
     finally:
@@ -70,32 +71,55 @@ def test_an_operator_may_open_metrics_to_other_hosts(monkeypatch):
 def test_served_counters_move_when_the_engine_serves_a_request(tiny_model_dir):
     engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir))
     latest = {"snapshot": engine.snapshot()}  # what the worker's heartbeat replaces
-    with _served(lambda: latest["snapshot"], engine_id="e1", model="tiny") as port:
+    with _served(lambda: latest["snapshot"], model_name="tiny", engine="e1") as port:
         before = _scrape(port)
         engine.add_request(make_request([11, 12, 13, 14, 15], max_tokens=4, ignore_eos=True))
+        engine.step()
+        latest["snapshot"] = engine.snapshot()
+        during = _scrape(port)
         while engine.has_unfinished():
             engine.step()
         latest["snapshot"] = engine.snapshot()
         after = _scrape(port)
-    assert all(s.labels.items() >= {"engine_id": "e1", "model": "tiny"}.items() for s in after)
-    assert _value(before, "atrium_generation_tokens_total") == 0
-    assert _value(after, "atrium_generation_tokens_total") == 4
-    assert _value(before, "atrium_prompt_tokens_total") == 0
-    assert _value(after, "atrium_prompt_tokens_total") == 5
-    assert _value(before, "atrium_requests_finished_total", finish_reason="length") is None
-    assert _value(after, "atrium_requests_finished_total", finish_reason="length") == 1
-    assert _value(before, "atrium_time_to_first_token_seconds_count") == 0
-    assert _value(after, "atrium_time_to_first_token_seconds_count") == 1
-    assert _value(after, "atrium_inter_token_latency_seconds_bucket", le="+Inf") == 3
+    # vLLM's names and labels: what dashboards and the inference extension read.
+    assert all(s.labels.items() >= {"model_name": "tiny", "engine": "e1"}.items()
+               for s in after)
+    assert _value(during, "vllm:num_requests_running") == 1
+    assert _value(during, "vllm:num_requests_waiting") == 0
+    assert 0 < _value(during, "vllm:kv_cache_usage_perc") <= 1
+    assert _value(after, "vllm:num_requests_running") == 0
+    assert _value(after, "vllm:kv_cache_usage_perc") == 0
+    assert _value(before, "vllm:generation_tokens_total") == 0
+    assert _value(after, "vllm:generation_tokens_total") == 4
+    assert _value(before, "vllm:prompt_tokens_total") == 0
+    assert _value(after, "vllm:prompt_tokens_total") == 5
+    assert _value(after, "vllm:prefix_cache_queries_total") == 5
+    assert _value(after, "vllm:prefix_cache_hits_total") == 0
+    assert _value(after, "vllm:num_preemptions_total") == 0
+    assert _value(before, "vllm:request_success_total", finished_reason="length") is None
+    assert _value(after, "vllm:request_success_total", finished_reason="length") == 1
+    assert _value(before, "vllm:time_to_first_token_seconds_count") == 0
+    assert _value(after, "vllm:time_to_first_token_seconds_count") == 1
+    assert _value(after, "vllm:inter_token_latency_seconds_bucket", le="+Inf") == 3
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+        assert _value(during, f"{name}_count") == 0
+        assert _value(after, f"{name}_count") == 1
+    e2e, queue, ttft = (_value(after, f"{name}_sum") for name in (
+        "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+        "vllm:time_to_first_token_seconds"))
+    assert 0 <= queue <= ttft <= e2e
+    assert _value(after, "atrium_engine_steps_total") == 4
+    # An engine without LoRA says nothing of adapters.
+    assert _value(after, "vllm:lora_requests_info") is None
 
 
 def test_each_engine_in_a_process_exports_only_its_own_metrics(tiny_model_dir):
     snapshot = LLMEngine(EngineConfig(model_dir=tiny_model_dir)).snapshot()
-    with (_served(lambda: snapshot, engine_id="e1", model="tiny") as port_1,
-          _served(lambda: snapshot, engine_id="e2", model="tiny") as port_2):
+    with (_served(lambda: snapshot, model_name="tiny", engine="e1") as port_1,
+          _served(lambda: snapshot, model_name="tiny", engine="e2") as port_2):
         for port, engine_id in ((port_1, "e1"), (port_2, "e2")):
             samples = _scrape(port)
-            assert samples and {s.labels["engine_id"] for s in samples} == {engine_id}
+            assert samples and {s.labels["engine"] for s in samples} == {engine_id}
 
 
 def test_metrics_answer_503_until_the_first_heartbeat():

@@ -351,5 +351,5 @@ def test_heartbeat_carries_engine_metrics_and_prometheus_serves_them(start_worke
     assert engine["requests_finished"] == {"length": 1} and engine["ttft"]["count"] == 1
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         body = reply.read().decode()
-    assert 'atrium_generation_tokens_total{engine_id="engine-a",model="tiny"} 6' in body
-    assert "atrium_inter_token_latency_seconds_bucket" in body
+    assert 'vllm:generation_tokens_total{engine="engine-a",model_name="tiny"} 6.0' in body
+    assert "vllm:inter_token_latency_seconds_bucket" in body
