@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import time
+
 from celery import shared_task
 
 from adapters import queue, services
+from core.metrics import ADAPTER_VALIDATION_SECONDS
 
 # Tries of a validation that fails on the platform's side (storage or database away),
 # seconds apart: 10, 20, 40. A bad upload is not such a failure: it fails at once.
@@ -13,8 +16,11 @@ VALIDATE_RETRIES = 3
              max_retries=VALIDATE_RETRIES)
 def adapter_validate(self, adapter_id: int) -> str:
     """Validates one uploaded adapter version; a re-delivered task finds it done."""
+    started = time.monotonic()
     try:
-        return services.adapter_validate(adapter_id=adapter_id).status
+        status = services.adapter_validate(adapter_id=adapter_id).status
+        ADAPTER_VALIDATION_SECONDS.labels(status).observe(time.monotonic() - started)
+        return status
     except Exception as exc:
         if self.request.retries < VALIDATE_RETRIES:
             raise self.retry(exc=exc, countdown=10 * 2 ** self.request.retries) from exc

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import redis
@@ -31,8 +32,9 @@ from billing.services import (
     usage_dead_letters_record,
     usage_records_write,
 )
+from core.metrics import TENANT_SPEND, USAGE_INGESTED, tenant_label
 from engine import protocol
-from tenants.facade import api_key_prefixes, tenant_ids_existing
+from tenants.facade import api_key_prefixes, tenant_ids_existing, tenant_slugs
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +131,33 @@ def _write(good: list[tuple[str, UsageEvent]]) -> tuple[int, list[RefusedUsage]]
     """Writes the events in one transaction; if the database refuses that, one by one, so
     only the events it refuses are dead-lettered."""
     try:
-        return len(usage_records_write(events=[e for _, e in good])), []
+        return _counted(usage_records_write(events=[e for _, e in good])), []
     except (IntegrityError, DataError):
         log.warning("the database refused a usage batch of %d; writing it one by one",
                     len(good))
     added, refused = 0, []
     for entry, event in good:
         try:
-            added += len(usage_records_write(events=[event]))
+            added += _counted(usage_records_write(events=[event]))
         except (IntegrityError, DataError) as exc:
             refused.append(RefusedUsage(
                 entry_id=entry, payload=json.dumps({"request_id": event.request_id}),
                 request_id=event.request_id, tenant_ref=str(event.tenant_id),
                 reason=f"the database refused it: {type(exc).__name__}: {exc}"[:500]))
     return added, refused
+
+
+def _counted(written: list) -> int:
+    """Adds what ``written`` (ledger rows) cost to each tenant's spend in the metrics."""
+    spend: dict[tuple[int, str], Decimal] = {}
+    for record in written:
+        key = (record.tenant_id, record.currency)
+        spend[key] = spend.get(key, Decimal(0)) + record.cost
+    slugs = tenant_slugs(tenant for tenant, _ in spend) if spend else {}
+    for (tenant, currency), amount in spend.items():
+        TENANT_SPEND.labels(tenant_label(slugs.get(tenant, str(tenant))), currency).inc(
+            float(amount))
+    return len(written)
 
 
 def ingest_batch(client: redis.Redis, *, consumer: str | None = None,
@@ -163,6 +178,8 @@ def ingest_batch(client: redis.Redis, *, consumer: str | None = None,
     good, refused = _parse(entries)
     added, refused_by_db = _write(good) if good else (0, [])
     usage_dead_letters_record(refused=refused + refused_by_db)
+    USAGE_INGESTED.labels("written").inc(added)
+    USAGE_INGESTED.labels("dead_lettered").inc(len(refused) + len(refused_by_db))
     # NOTE: acknowledge only after the commit: a crash before this line redelivers.
     ids = [entry_id for entry_id, _ in entries]
     client.xack(protocol.USAGE_STREAM, protocol.USAGE_GROUP, *ids)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from celery import shared_task
 
 from billing import queue, services
 from billing.ingest import drain
+from core.metrics import EXPORT_SECONDS
 from core.redis import sync_client
 
 
@@ -31,7 +34,10 @@ def invoices_close() -> int:
 def export_build(export_id: int) -> int:
     """Builds one export's file. Redelivered after a worker died mid-build, it builds it
     again; after success or failure it does nothing (a failed export is asked for anew)."""
-    return services.export_build(export_id=export_id).rows
+    started = time.monotonic()
+    export = services.export_build(export_id=export_id)
+    EXPORT_SECONDS.labels(export.format, export.status).observe(time.monotonic() - started)
+    return export.rows
 
 
 @shared_task(name=queue.EXPORTS_EXPIRE, acks_late=True)

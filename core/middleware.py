@@ -27,6 +27,7 @@ from django.middleware.csrf import CsrfViewMiddleware
 from django.middleware.security import SecurityMiddleware
 
 from core.errors import ApiError
+from core.metrics import HTTP_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class ApiResponses:
     async def __call__(self, request: HttpRequest) -> HttpResponse:
         request.request_id = new_request_id()  # type: ignore[attr-defined]
         response = await self.get_response(request)
+        match = request.resolver_match
+        # NOTE: the URL pattern, never the path: ids in paths would make a series each.
+        HTTP_REQUESTS.labels(match.route if match else "unmatched", request.method,
+                             str(response.status_code)).inc()
         if not serves_html(request.path) and response.status_code >= 400 \
                 and not response.get("Content-Type", "").startswith("application/json") \
                 and not getattr(response, "streaming", False):

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from billing import spend as billing_spend  # Redis keys and values only; no Django
 from billing.money import from_micros, to_cents
 from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
+from core.metrics import ADMISSION_REJECTIONS
 from tenants.principals import Principal  # the facade's dataclass; importable without Django
 
 _HERE = Path(__file__).parent
@@ -39,6 +40,10 @@ _SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()
 LEASE_SLACK_S = 30
 
 REASON_CONCURRENCY, REASON_RPM, REASON_TPM, REASON_MONTH, REASON_TOO_LARGE = 1, 2, 3, 4, 5
+# The reasons as the metrics name them (atrium_admission_rejections_total{reason}).
+_REASONS = {REASON_CONCURRENCY: "concurrency", REASON_RPM: "requests_per_minute",
+            REASON_TPM: "tokens_per_minute", REASON_MONTH: "monthly_tokens",
+            REASON_TOO_LARGE: "too_large"}
 _LEVELS = {1: "tenant", 2: "key"}
 
 
@@ -181,6 +186,7 @@ async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
                                  ) from exc
     if state is None or not state.reached:
         return
+    ADMISSION_REJECTIONS.labels("spend_cap", "tenant").inc()
     wait_ms = max(0, reset_ms - int(time.time() * 1000))
     cap = to_cents(from_micros(state.cap_micros))
     spent = to_cents(from_micros(state.spent_micros))
@@ -237,6 +243,7 @@ async def precheck(client: aioredis.Redis, *, principal: Principal) -> RateLimit
 
 def _refusal(principal: Principal, *, reason: int, level: str, retry_ms: int, limit: int,
              cost: int, state: RateLimitState) -> RateLimited | QuotaExceeded:
+    ADMISSION_REJECTIONS.labels(_REASONS[reason], level).inc()
     headers = state.headers()
     owner = (f"tenant '{principal.tenant_slug}'" if level == "tenant"
              else f"API key {principal.api_key_prefix}…")

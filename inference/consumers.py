@@ -28,6 +28,7 @@ from typing import Any
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from core.errors import ServiceUnavailable
+from core.metrics import OPEN_STREAMS
 from core.websockets import (
     CLOSE_FORBIDDEN,
     CLOSE_UNAUTHORIZED,
@@ -141,11 +142,17 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as
             # often as in the stream): the engine is stopped, its usage learnt and the
             # request logged before the client is told "cancelled".
-            async with aclosing(trace.observe(responses.stream_chunks(
-                    started.prepared, started.dispatch, started.admission))) as chunks:
-                async for chunk in chunks:
-                    if chunk is not None:  # None: idle (a websocket needs no keep-alive)
-                        await self._send({"type": "chunk", "id": client_id, "data": chunk})
+            streams = OPEN_STREAMS.labels("websocket")
+            streams.inc()
+            try:
+                async with aclosing(trace.observe(responses.stream_chunks(
+                        started.prepared, started.dispatch, started.admission))) as chunks:
+                    async for chunk in chunks:
+                        if chunk is not None:  # None: idle (a websocket needs no keep-alive)
+                            await self._send({"type": "chunk", "id": client_id,
+                                              "data": chunk})
+            finally:
+                streams.dec()
             await self._send({"type": "done", "id": client_id})
         except ApiError as exc:
             if trace is not None:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import redis
 import redis.asyncio as aioredis
 
+from core.metrics import ADMISSION_REJECTIONS
 from engine import protocol
 from inference.errors import (
     DeadlineExceeded,
@@ -134,6 +135,7 @@ class Dispatch:
     async def submit(self) -> None:
         with _redis_lost():
             if not await alive_engines(self.redis, self.request.model):
+                ADMISSION_REJECTIONS.labels("no_engine", "model").inc()
                 raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
                                         "right now; retry shortly")
             self.entry_id = await self.redis.xadd(

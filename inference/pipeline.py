@@ -9,11 +9,13 @@ before it took.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 
 from core.errors import ApiError
+from core.metrics import ADMISSION_SECONDS
 from inference import admission as quota
 from inference import service
 from inference.dispatch import Dispatch
@@ -37,6 +39,7 @@ class Started:
 
 async def start(trace: Trace) -> Started:
     """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace."""
+    began = time.perf_counter()
     # The process's own limit first (relay.py): a request past it costs nothing.
     subscription = event_hub().subscribe()
     try:
@@ -45,6 +48,7 @@ async def start(trace: Trace) -> Started:
         subscription.close()
         raise
     trace.dispatch = started.dispatch
+    ADMISSION_SECONDS.observe(time.perf_counter() - began)
     return started
 
 

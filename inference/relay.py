@@ -31,6 +31,7 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from core.metrics import ADMISSION_REJECTIONS
 from core.redis import async_client
 from engine import protocol
 from inference.errors import ServiceUnavailable
@@ -152,6 +153,7 @@ class EventHub:
                 self._last_refusal_log = now
                 log.warning("refusing requests: this web process has %d open, its limit "
                             "(ATRIUM_MAX_OPEN_REQUESTS)", len(self._open))
+            ADMISSION_REJECTIONS.labels("open_requests", "process").inc()
             raise Overloaded("this server has too many requests open right now; retry "
                              "shortly")
         subscription = Subscription(self)

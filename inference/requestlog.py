@@ -24,6 +24,7 @@ from typing import Any
 from django.db import connection
 
 from core.errors import ApiError
+from inference import telemetry
 from inference.service import completion_id
 from requestlogs.facade import RequestLogEntry, request_log_record_many
 from tenants.facade import Principal
@@ -261,6 +262,10 @@ async def _write(trace: Trace) -> None:
     if closing is not None:
         # The request's cleanup learns the engine's usage, the count billing gets.
         await asyncio.wait([closing], timeout=_CLOSE_WAIT_S)
+    try:
+        telemetry.request_ended(trace)
+    except Exception:  # noqa: BLE001 - metrics must never cost the log entry
+        log.warning("could not count request in the metrics", exc_info=True)
     loop = asyncio.get_running_loop()
     written = loop.create_future()
     _batch.append((trace, written))

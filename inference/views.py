@@ -15,6 +15,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from core.metrics import OPEN_STREAMS
 from inference import pipeline, requestlog, responses, service
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
@@ -104,11 +105,16 @@ class EventStream(StreamingHttpResponse):
 
     async def _marked(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         self._started = True
-        # NOTE: each layer closes the one it reads, so closing this one runs the stream's
-        # cleanup now, not when the garbage collector gets to it.
-        async with aclosing(events):
-            async for event in events:
-                yield event
+        streams = OPEN_STREAMS.labels("sse")
+        streams.inc()
+        try:
+            # NOTE: each layer closes the one it reads, so closing this one runs the
+            # stream's cleanup now, not when the garbage collector gets to it.
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+        finally:
+            streams.dec()
 
     def close(self) -> None:
         try:

@@ -5,7 +5,8 @@ authenticator (`aauthenticate`, tenants/authentication.py), which also records e
 key's use. Other apps' services audit their
 changes to a tenant's settings through `audit_record`. Billing checks the tenants
 its usage reports name (`tenant_ids_existing`), labels ledger rows with key
-prefixes (`api_key_prefixes`) and finds each tenant's plan (`tenant_plans`).
+prefixes (`api_key_prefixes`) and its metrics with slugs (`tenant_slugs`), and finds
+each tenant's plan (`tenant_plans`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from tenants.services import audit_record
 __all__ = [
     "Actor", "Limits", "Principal", "aauthenticate", "api_key_prefixes", "audit_record",
     "authenticate", "is_bearer", "principal_from_api_key",
-    "tenant_ids_existing", "tenant_plans",
+    "tenant_ids_existing", "tenant_plans", "tenant_slugs",
 ]
 
 
 def tenant_ids_existing(ids: Iterable[int]) -> set[int]:
     """The ids among `ids` that name a tenant."""
     return set(Tenant.objects.filter(pk__in=set(ids)).values_list("pk", flat=True))
+
+
+def tenant_slugs(ids: Iterable[int]) -> dict[int, str]:
+    """The slug of each tenant among `ids` (for labelling metrics)."""
+    return dict(Tenant.objects.filter(pk__in=set(ids)).values_list("pk", "slug"))
 
 
 def tenant_plans(tenant_ids: Iterable[int] | None = None) -> dict[int, int]:

@@ -172,6 +172,12 @@ def cmd_web(args: argparse.Namespace) -> None:
     # long as it does: frozen, a full collection no longer walks it. Measured with 1,000
     # streams open: full collections held the event loop 130-270 ms each, the web tier's
     # slowest answers.
+    if args.metrics_port:
+        from atrium.metrics import FleetCollector
+        from core.metrics import serve
+
+        serve(args.metrics_port, host=args.metrics_host, what="web process",
+              extra=[FleetCollector()])
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 10, 10)
@@ -206,14 +212,33 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
+    if args.metrics_port and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # NOTE: tasks run in the pool's child processes; only files they all write to
+        # reach the endpoint (prometheus-client reads the variable when it is imported).
+        sys.exit("atrium worker: --metrics-port needs PROMETHEUS_MULTIPROC_DIR, an empty "
+                 "directory the worker's processes share (docs/observability.md)")
     django_setup()
     from atrium.celery import app
+
+    if args.metrics_port:
+        from core.metrics import serve
+
+        serve(args.metrics_port, host=args.metrics_host, what="Celery worker")
 
     argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}"]
     if not args.no_beat:
         beat_db = atrium_home() / "celerybeat-schedule"
         argv += ["--beat", f"--schedule={beat_db}"]
     app.worker_main(argv)
+
+
+def _metrics_arguments(parser: argparse.ArgumentParser, port_variable: str) -> None:
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get(
+        port_variable) or 0), help=f"serve Prometheus metrics on this port (default: "
+        f"{port_variable}, or 0: off)")
+    parser.add_argument("--metrics-host", default=os.environ.get("ATRIUM_METRICS_HOST")
+                        or "127.0.0.1", help="address the metrics endpoint listens on "
+                        "(default: ATRIUM_METRICS_HOST or loopback only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,11 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=port, help="default: ATRIUM_PORT or 8000")
     up.add_argument("--new-key", action="store_true",
                     help="mint another key for the demo tenant and show it")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="the first of three loopback ports for the web, engine and worker "
+                         "metrics endpoints (default: --port + 1)")
     up.set_defaults(func=cmd_up)
 
     web = sub.add_parser("web", help="the ASGI web server (API, websockets, console)")
     web.add_argument("--host", default="127.0.0.1")
     web.add_argument("--port", type=int, default=port, help="default: ATRIUM_PORT or 8000")
+    _metrics_arguments(web, "ATRIUM_WEB_METRICS_PORT")
     web.set_defaults(func=cmd_web)
 
     eng = sub.add_parser("engine", help="one engine worker")
@@ -245,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="Celery worker with beat")
     worker.add_argument("--concurrency", type=int, default=2)
     worker.add_argument("--no-beat", action="store_true")
+    _metrics_arguments(worker, "ATRIUM_WORKER_METRICS_PORT")
     worker.set_defaults(func=cmd_worker)
 
     mig = sub.add_parser("migrate", help="create or update the database tables")

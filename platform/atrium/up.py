@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,9 @@ from atrium.cli_support import atrium_home, django_setup, new_key, refuse_busy_p
 # models, upload adapters, read usage, export the bill), not tenant administration.
 DEMO_KEY_NAME = "demo key (atrium up)"
 DEMO_KEY_SCOPES = ("inference", "adapters", "usage", "billing")
+# Each process's metrics endpoint, on consecutive ports from --metrics-port, loopback only.
+METRICS_OF = ("web", "engine", "worker")
+METRICS_HOST = "127.0.0.1"
 
 
 def _wait_http(url: str, timeout: float) -> bool:
@@ -58,6 +62,11 @@ def cmd_up(args: argparse.Namespace) -> None:
     # SIGTERM (a service manager, `kill`) stops everything as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     refuse_busy_port(args.host, args.port, hint="make up PORT={port}")
+    if args.metrics_port is None:
+        args.metrics_port = args.port + 1
+    for offset in range(len(METRICS_OF)):
+        refuse_busy_port(METRICS_HOST, args.metrics_port + offset,
+                         hint="atrium up --metrics-port {port}")
     home = atrium_home()
     if os.environ.get("REDIS_URL"):
         _up(args, home)
@@ -96,10 +105,16 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     _, model_name = model_path_and_name()
 
     exe = [sys.executable, "-m", "atrium.cli"]
+    web_metrics, engine_metrics, worker_metrics = (
+        ["--metrics-port", str(args.metrics_port + offset), "--metrics-host", METRICS_HOST]
+        for offset in range(len(METRICS_OF)))
     children = [
-        subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port)]),
-        subprocess.Popen(exe + ["engine"]),
-        subprocess.Popen(exe + ["worker", "--concurrency", "1"]),
+        subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port),
+                                *web_metrics]),
+        subprocess.Popen(exe + ["engine", *engine_metrics]),
+        subprocess.Popen(exe + ["worker", "--concurrency", "1", *worker_metrics],
+                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
+                             _fresh_dir(home / "metrics" / "worker"))}),
     ]
     base = f"http://{args.host}:{args.port}"
     try:
@@ -108,7 +123,8 @@ def _up(args: argparse.Namespace, home: Path) -> None:
         if not _wait_http(f"{base}/readyz", 300):
             raise SystemExit(f"atrium: not ready ({base}/readyz says what is missing: the "
                              "engine, the database or Redis); see the log above")
-        print(_banner(base, model_name, api_key, demo_model=demo_model), flush=True)
+        print(_banner(base, model_name, api_key, demo_model=demo_model,
+                      metrics_port=args.metrics_port), flush=True)
         while all(c.poll() is None for c in children):
             time.sleep(0.5)
         raise SystemExit("atrium: a process exited; stopped the rest")
@@ -125,7 +141,20 @@ def _up(args: argparse.Namespace, home: Path) -> None:
                 child.kill()
 
 
-def _banner(base: str, model: str, key: str | None, *, demo_model: bool) -> str:
+def _fresh_dir(path: Path) -> Path:
+    """``path``, empty: the last run's metric files would add to this one's."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _metrics_lines(port: int) -> str:
+    return "\n".join(f"  {what:<8}http://{METRICS_HOST}:{port + offset}/metrics"
+                     for offset, what in enumerate(METRICS_OF))
+
+
+def _banner(base: str, model: str, key: str | None, *, demo_model: bool,
+            metrics_port: int) -> str:
     if key:
         about_key = f"API key for tenant 'demo' (shown once): {key}"
     else:
@@ -144,6 +173,8 @@ Llama-family checkpoint in Hugging Face layout: ATRIUM_MODEL=/path/to/model make
     return f"""
 Atrium is up at {base}  (Ctrl-C stops everything)
 Console: {base}/console/
+Prometheus metrics (this machine only; docs/observability.md):
+{_metrics_lines(metrics_port)}
 {about_key}
 {about_model}
 curl -N {base}/v1/chat/completions \\

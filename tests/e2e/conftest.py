@@ -51,6 +51,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports."""
+    for _ in range(100):
+        base = free_port()
+        if base + count <= 65536 and all(_port_free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def user_env(home: Path, **extra: str) -> dict[str, str]:
     """A user's shell: none of the test session's own settings, the venv first on PATH."""
     env = {k: v for k, v in os.environ.items()
@@ -74,6 +92,8 @@ class Atrium:
     key: str = ""
     model: str = "atrium-demo"
     started_s: float = 0.0
+    # The web, engine and worker metrics endpoints, on three ports from this one.
+    metrics_port: int = field(default_factory=lambda: free_ports(3))
 
     @property
     def base(self) -> str:
@@ -87,7 +107,8 @@ class Atrium:
         began = time.monotonic()
         self.lines = []
         self.proc = subprocess.Popen(
-            [str(BIN / "atrium"), "up", "--port", str(self.port), *args], cwd=self.home,
+            [str(BIN / "atrium"), "up", "--port", str(self.port), "--metrics-port",
+             str(self.metrics_port), *args], cwd=self.home,
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")),

@@ -1,0 +1,62 @@
+"""The gauges the web process's metrics endpoint reads from Redis and the database at each
+scrape (atrium/metrics.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from atrium.metrics import FleetCollector
+from engine import protocol
+
+
+def _scrape() -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in FleetCollector().collect() for s in family.samples}
+
+
+@pytest.fixture
+def redis_client():
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def test_the_billing_backlog_and_dead_letters_are_read_at_each_scrape(transactional_db,
+                                                                     redis_client):
+    from billing.models import UsageDeadLetter
+
+    assert _scrape()[("atrium_billing_ingest_lag_seconds", ())] == 0
+    redis_client.xgroup_create(protocol.USAGE_STREAM, protocol.USAGE_GROUP, id="0",
+                               mkstream=True)
+    added_ms = int(time.time() * 1000) - 5000  # a report made five seconds ago
+    redis_client.xadd(protocol.USAGE_STREAM, {"x": "1"}, id=f"{added_ms}-0")
+    redis_client.xadd(protocol.USAGE_STREAM, {"x": "2"})
+    before = _scrape()
+    stream = (("group", protocol.USAGE_GROUP), ("stream", protocol.USAGE_STREAM))
+    assert before[("atrium_redis_stream_lag", stream)] == 2
+    assert before[("atrium_redis_stream_pending", stream)] == 0
+    assert 5 <= before[("atrium_billing_ingest_lag_seconds", ())] < 60
+    # Read and not acknowledged: still owed, still the oldest.
+    redis_client.xreadgroup(protocol.USAGE_GROUP, "c1", {protocol.USAGE_STREAM: ">"}, count=1)
+    after = _scrape()
+    assert after[("atrium_redis_stream_lag", stream)] == 1
+    assert after[("atrium_redis_stream_pending", stream)] == 1
+    assert 5 <= after[("atrium_billing_ingest_lag_seconds", ())] < 60
+    assert after[("atrium_billing_dead_letters", ())] == 0
+    UsageDeadLetter.objects.create(entry_id="1-0", reason="an unknown tenant", payload="{}")
+    assert _scrape()[("atrium_billing_dead_letters", ())] == 1
+
+
+def test_celery_queue_and_live_engines(transactional_db, redis_client):
+    redis_client.rpush("celery", "task-1", "task-2")
+    redis_client.zadd(protocol.ENGINES_ZSET, {"fresh": time.time(), "stale": time.time() - 3600})
+    samples = _scrape()
+    assert samples[("atrium_celery_queue_depth", (("queue", "celery"),))] == 2
+    assert samples[("atrium_engines_alive", ())] == 1
