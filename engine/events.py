@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from engine import protocol
+from engine import protocol, tracing
 from engine.outputs import RequestOutput, Usage
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,13 @@ class EventWriter:
         batch.add("xadd", protocol.USAGE_STREAM, report.encode(),
                   maxlen=protocol.USAGE_STREAM_MAXLEN, approximate=True)
         batch.reported.append(request.request_id)
+        # The one place every accepted request ends: its spans too, when tracing is on.
+        if tracing.enabled():
+            tracing.record_engine_request(
+                traceparent=request.traceparent, request_id=request.request_id,
+                model=request.model, adapter=request.adapter, usage=report.usage,
+                finish_reason=report.finish_reason,
+                error=final.data.get("message") if final.type == protocol.EV_ERROR else None)
 
     def _append_final(self, batch: _Batch, out: RequestOutput, error_code: str) -> None:
         usage = (out.usage or Usage()).to_dict()

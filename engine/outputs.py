@@ -23,6 +23,7 @@ class Usage:
     queue_s: float = 0.0  # added to the engine → first scheduled
     ttft_s: float | None = None  # added to the engine → first output token
     total_s: float = 0.0  # added to the engine → finished
+    adapter_wait_s: float | None = None  # added to the engine → its adapter loaded (if it waited)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -49,6 +49,7 @@ def notify_stream(reader_id: str) -> str:
 
 
 NOTIFY_STREAM_MAXLEN = 10_000
+TRACEPARENT_MAX = 128  # a W3C traceparent is 55 characters
 
 
 def cancel_key(request_id: str) -> str:
@@ -150,6 +151,9 @@ class EngineRequest:
     # them also names the request there, so that reader reads the streams that have news
     # instead of every open one. None: nobody is told; the reader finds them by polling.
     notify: str | None = None
+    # The W3C traceparent of the web tier's span for this request, when tracing is on: the
+    # engine's spans are its children (docs/observability.md).
+    traceparent: str | None = None
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self), separators=(",", ":"))}
@@ -169,6 +173,8 @@ class EngineRequest:
         request = cls(**_typed(cls, raw, "request"))
         if request.notify is not None and not request.notify.startswith(notify_stream("")):
             raise ValueError(f"request.notify must name a stream {notify_stream('…')}")
+        if request.traceparent is not None and len(request.traceparent) > TRACEPARENT_MAX:
+            raise ValueError(f"request.traceparent is longer than {TRACEPARENT_MAX} characters")
         return request
 
 

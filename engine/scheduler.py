@@ -358,4 +358,6 @@ def usage_of(seq: Sequence) -> Usage:
         cached_tokens=sum(p.num_cached_tokens for p in prompts),
         queue_s=scheduled - arrival,
         ttft_s=None if first_token is None else first_token - arrival,
-        total_s=now - arrival)
+        total_s=now - arrival,
+        adapter_wait_s=None if prompts[0].adapter_ready_at is None
+        else prompts[0].adapter_ready_at - arrival)

@@ -53,6 +53,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
+    adapter_ready_at: float | None = None  # when its adapter's load, which it waited for, ended
     first_token_at: float | None = None
     last_token_at: float | None = None
 

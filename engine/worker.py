@@ -33,7 +33,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine import protocol
+from engine import protocol, tracing
 from engine.events import UNREACHABLE, EventWriter
 from engine.intake import Intake
 from engine.outputs import EngineCore, RequestOutput, Usage
@@ -380,6 +380,7 @@ def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
                metrics_host: str = "127.0.0.1") -> None:
     """Serves ``model_name`` from ``model_dir`` until ``stop`` is set."""
     engine_id = engine_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    tracing.configure_from_env("atrium-engine")  # off unless the OTEL_* variables say so
     engine = (engine_factory or default_engine_factory)(Path(model_dir))
     config = config or WorkerConfig()
     client = redis.Redis.from_url(redis_url, **redis_options(config))

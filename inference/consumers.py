@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from contextlib import aclosing
 from typing import Any
 
@@ -37,7 +38,15 @@ from core.websockets import (
     stop_watching,
     watch_access,
 )
-from inference import params, pipeline, requestlog, responses, service, socket_messages
+from inference import (
+    params,
+    pipeline,
+    requestlog,
+    responses,
+    service,
+    socket_messages,
+    telemetry,
+)
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
 
@@ -55,6 +64,10 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             return
         self.tasks: dict[str, asyncio.Task] = {}
         self.authorization = headers.get("authorization")
+        # A caller's trace context from the handshake: each request on the socket is a
+        # child of it (inference/telemetry.py).
+        self.trace_headers = {name: headers[name] for name in ("traceparent", "tracestate")
+                              if name in headers}
         try:
             await authenticate(self.authorization)
         except ApiError as exc:
@@ -133,10 +146,17 @@ class InferenceConsumer(AsyncWebsocketConsumer):
 
     async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
         trace: requestlog.Trace | None = None
+        span = telemetry.request_span(self.trace_headers, f"websocket {kind}")
+        started_ns = time.time_ns()
         try:
-            principal = await authenticate(self.authorization)
+            try:
+                principal = await authenticate(self.authorization)
+            except BaseException as exc:
+                telemetry.end_span(span, status=getattr(exc, "status", 500), error=exc)
+                raise
+            telemetry.phase(span, "atrium.auth", started_ns)
             # Logged when it ends, however it ends (requestlog.py).
-            trace = requestlog.Trace(principal, kind, transport="websocket")
+            trace = requestlog.Trace(principal, kind, transport="websocket", span=span)
             trace.body = body
             started = await pipeline.start(trace)
             # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as

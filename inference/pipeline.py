@@ -17,7 +17,7 @@ from asgiref.sync import sync_to_async
 from core.errors import ApiError
 from core.metrics import ADMISSION_SECONDS
 from inference import admission as quota
-from inference import service
+from inference import service, telemetry
 from inference.dispatch import Dispatch
 from inference.relay import Subscription, event_hub
 from inference.requestlog import Trace
@@ -39,7 +39,7 @@ class Started:
 
 async def start(trace: Trace) -> Started:
     """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace."""
-    began = time.perf_counter()
+    began, began_ns = time.perf_counter(), time.time_ns()
     # The process's own limit first (relay.py): a request past it costs nothing.
     subscription = event_hub().subscribe()
     try:
@@ -49,6 +49,7 @@ async def start(trace: Trace) -> Started:
         raise
     trace.dispatch = started.dispatch
     ADMISSION_SECONDS.observe(time.perf_counter() - began)
+    telemetry.phase(trace.span, "atrium.admission", began_ns)
     return started
 
 
@@ -63,6 +64,7 @@ async def _admitted(trace: Trace, subscription: Subscription) -> Started:
         exc.headers = {**limits.headers(), **exc.headers}
         raise
     trace.prepared = prepared
+    prepared.engine_request.traceparent = telemetry.traceparent(trace.span)
     admission = await service.admit(prepared)
     try:
         dispatch = await service.open_dispatch(prepared, subscription)

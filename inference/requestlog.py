@@ -45,10 +45,12 @@ def _ms(seconds: Any) -> int | None:
 class Trace:
     """One request as the request log will tell it."""
 
-    def __init__(self, principal: Principal, kind: str, *, transport: str) -> None:
+    def __init__(self, principal: Principal, kind: str, *, transport: str,
+                 span: Any = None) -> None:
         self.principal = principal
         self.kind = kind
         self.transport = transport
+        self.span = span  # its trace span (inference/telemetry.py), None while tracing is off
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self.body: Any = None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace as trace_api
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from core.metrics import (
     INFERENCE_REQUESTS,
@@ -11,14 +14,16 @@ from core.metrics import (
     TENANT_TOKENS,
     tenant_label,
 )
+from engine import tracing
 
 if TYPE_CHECKING:
     from inference.requestlog import Trace
 
 
 def request_ended(trace: Trace) -> None:
-    """Counts the request, and its tokens as billed, by served model and by tenant.
-    NOTE: the model is the served base model, never the client's string (unbounded)."""
+    """Counts the request, and its tokens as billed, by served model and by tenant, and
+    ends its span. NOTE: the model is the served base model, never the client's string
+    (unbounded)."""
     model = trace.prepared.model.name if trace.prepared is not None else "none"
     status = str(trace.status or 500)
     tenant = tenant_label(trace.principal.tenant_slug)
@@ -29,3 +34,45 @@ def request_ended(trace: Trace) -> None:
         if tokens := counted.get(f"{kind}_tokens", 0):
             INFERENCE_TOKENS.labels(model, kind).inc(tokens)
             TENANT_TOKENS.labels(tenant, kind).inc(tokens)
+    end_span(trace.span, status=trace.status or 500, attributes={
+        "gen_ai.request.model": model, "atrium.tenant": trace.principal.tenant_slug,
+        "gen_ai.usage.input_tokens": counted.get("prompt_tokens", 0),
+        "gen_ai.usage.output_tokens": counted.get("completion_tokens", 0)})
+
+
+# --- traces (engine/tracing.py; off unless the OTEL_* variables turn them on) --------------
+
+def request_span(headers: Any, name: str) -> Span | None:
+    """The span of one inference request, a child of the caller's ``traceparent`` when it
+    sends one; None while tracing is off."""
+    if not tracing.enabled():
+        return None
+    return tracing.tracer().start_span(name, context=tracing.context_from(headers),
+                                       kind=SpanKind.SERVER)
+
+
+def phase(span: Span | None, name: str, started_ns: int) -> None:
+    """A step of the request (authentication, admission) that began at ``started_ns``
+    (time.time_ns) and ends now, as a child of ``span``."""
+    if span is None:
+        return
+    child = tracing.tracer().start_span(name, context=trace_api.set_span_in_context(span),
+                                        start_time=started_ns)
+    child.end()
+
+
+def traceparent(span: Span | None) -> str | None:
+    """What the engine's spans hang from (EngineRequest.traceparent)."""
+    return None if span is None else tracing.traceparent_of(span)
+
+
+def end_span(span: Span | None, *, status: int, error: BaseException | None = None,
+             attributes: dict[str, Any] | None = None) -> None:
+    if span is None or not span.is_recording():
+        return
+    span.set_attribute("http.response.status_code", status)
+    for key, value in (attributes or {}).items():
+        span.set_attribute(key, value)
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR, str(error or status)[:200]))
+    span.end()

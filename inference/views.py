@@ -16,7 +16,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from core.metrics import OPEN_STREAMS
-from inference import pipeline, requestlog, responses, service
+from inference import pipeline, requestlog, responses, service, telemetry
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
 
@@ -132,9 +132,16 @@ class EventStream(StreamingHttpResponse):
 
 
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
-    principal = await authenticate(request.headers.get("Authorization"))
+    span = telemetry.request_span(request.headers, f"{request.method} {request.path}")
+    started_ns = time.time_ns()
+    try:
+        principal = await authenticate(request.headers.get("Authorization"))
+    except BaseException as exc:
+        telemetry.end_span(span, status=getattr(exc, "status", 500), error=exc)
+        raise
+    telemetry.phase(span, "atrium.auth", started_ns)
     # Every authenticated request is logged when it ends (requestlog.py), however it ends.
-    trace = requestlog.Trace(principal, kind, transport="http")
+    trace = requestlog.Trace(principal, kind, transport="http", span=span)
     try:
         return await _serve(request, kind, trace)
     except asyncio.CancelledError:

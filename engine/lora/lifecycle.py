@@ -120,6 +120,9 @@ class AdapterLifecycle:
             self.cache.wait(timeout=0.05)
         ready, failed = self.cache.poll()
         ready_seqs = [seq for adapter_hash in ready for seq in self._loading.pop(adapter_hash, [])]
+        loaded_at = time.monotonic()
+        for seq in ready_seqs:
+            seq.adapter_ready_at = loaded_at
         outputs = []
         now = time.time()
         for seqs in self._loading.values():

@@ -172,6 +172,9 @@ def cmd_web(args: argparse.Namespace) -> None:
     # long as it does: frozen, a full collection no longer walks it. Measured with 1,000
     # streams open: full collections held the event loop 130-270 ms each, the web tier's
     # slowest answers.
+    from engine import tracing
+
+    tracing.configure_from_env("atrium-web")  # off unless the OTEL_* variables say so
     if args.metrics_port:
         from atrium.metrics import FleetCollector
         from core.metrics import serve

@@ -387,7 +387,11 @@ def test_metrics_name_the_adapters_running_and_waiting(tiny_model_dir, store_roo
     assert info.labels["max_lora"] == "2" and len(running) == 2
     assert set(running) | {info.labels["waiting_lora_adapters"]} == set(names)
     assert info.value > 1e9  # when: a Unix time, as vLLM's
-    drain(eng)
+    ended = drain(eng)
+    # Each request waited for its adapter's load before it queued (its trace's span).
+    for name in running:
+        usage = ended[name][-1].usage
+        assert 0 < usage.adapter_wait_s <= usage.queue_s
     metrics = scrape()
     [info] = metrics["vllm:lora_requests_info"]
     assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""
