@@ -88,6 +88,14 @@ for _transport in ("sse", "websocket"):
     OPEN_STREAMS.labels(_transport)
 for _outcome in ("written", "dead_lettered"):
     USAGE_INGESTED.labels(_outcome)
+for _reason, _level in (("requests_per_minute", "tenant"), ("requests_per_minute", "key"),
+                        ("tokens_per_minute", "tenant"), ("tokens_per_minute", "key"),
+                        ("concurrency", "tenant"), ("concurrency", "key"),
+                        ("monthly_tokens", "tenant"), ("monthly_tokens", "key"),
+                        ("too_large", "tenant"), ("too_large", "key"),
+                        ("spend_cap", "tenant"), ("open_requests", "process"),
+                        ("no_engine", "model")):
+    ADMISSION_REJECTIONS.labels(_reason, _level)
 
 
 # --- bounded tenant labels -----------------------------------------------------------------

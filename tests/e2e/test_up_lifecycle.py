@@ -83,6 +83,20 @@ def test_a_busy_port_is_one_line_that_names_a_free_one(tmp_path):
     assert not (up.home / "redis.url").exists()  # nothing was started
 
 
+def test_a_busy_metrics_port_is_one_line_too(tmp_path):
+    up = _fresh(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", up.metrics_port + 1))  # the engine's
+        taken.listen()
+        result = subprocess.run([str(BIN / "atrium"), "up", "--port", str(up.port),
+                                 "--metrics-port", str(up.metrics_port)], env=up.env,
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and result.stdout == ""
+    assert re.fullmatch(rf"atrium: port {up.metrics_port + 1} is in use; try "
+                        r"`atrium up --metrics-port \d+`", result.stderr.strip()), result.stderr
+    assert not (up.home / "redis.url").exists()  # nothing was started
+
+
 def test_make_up_passes_the_port():
     dry = subprocess.run(["make", "-n", "up", "PORT=9123"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
@@ -92,7 +106,8 @@ def test_make_up_passes_the_port():
 
 def test_a_broker_other_than_redis_stops_atrium_up_with_one_line(tmp_path):
     up = _fresh(tmp_path)
-    result = subprocess.run([str(BIN / "atrium"), "up", "--port", str(up.port)],
+    result = subprocess.run([str(BIN / "atrium"), "up", "--port", str(up.port),
+                             "--metrics-port", str(up.metrics_port)],
                             env={**up.env, "CELERY_BROKER_URL": "amqp://guest@localhost:5672"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0

@@ -1,0 +1,118 @@
+"""Debian's Prometheus scrapes a running `atrium up` with the shipped rules, and every
+query of the shipped Grafana dashboards is evaluated through its HTTP API: none may fail,
+and the panels an operator relies on must show data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ROOT, Atrium, free_port, wait_for
+from tests.e2e.test_metrics import _endpoints
+
+OBSERVABILITY = ROOT / "deploy" / "observability"
+# Panels with no data until something rare happens (an export was built).
+MAY_BE_EMPTY = {("atrium-billing", "Export build time")}
+
+
+def _queries() -> Iterator[tuple[str, str, str]]:
+    """(dashboard uid, panel title, query) for every target of every shipped dashboard,
+    with Grafana's variables as a dashboard showing everything would fill them in."""
+    for path in sorted((OBSERVABILITY / "grafana").glob("*.json")):
+        board = json.loads(path.read_text())
+        for panel in board["panels"]:
+            for target in panel["targets"]:
+                expr = (target["expr"].replace("$__rate_interval", "15s")
+                        .replace("$__range", "5m").replace("$model", ".*"))
+                yield board["uid"], panel["title"], expr
+
+
+@pytest.fixture
+def prometheus(atrium: Atrium, tmp_path: Path) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus is missing: install Debian's prometheus package (.ci/run does)")
+    urls = _endpoints(atrium)
+    shutil.copy(OBSERVABILITY / "prometheus" / "atrium-rules.yml", tmp_path)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["atrium-rules.yml"],
+        "scrape_configs": [
+            {"job_name": f"atrium-{what}", "static_configs": [
+                {"targets": [url.removeprefix("http://").removesuffix("/metrics")]}]}
+            for what, url in urls.items()]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def all_up() -> bool:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            try:
+                reply = httpx.get(f"{base}/api/v1/query", params={"query": "up"}, timeout=5)
+            except httpx.HTTPError:
+                return False
+            results = reply.json()["data"]["result"] if reply.status_code == 200 else []
+            return len(results) == 3 and all(r["value"][1] == "1" for r in results)
+
+        wait_for(all_up, timeout=60, what="Prometheus to scrape the web, engine and worker")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _traffic(atrium: Atrium, stop: threading.Event) -> None:
+    client = atrium.openai()
+    while not stop.is_set():
+        list(client.chat.completions.create(
+            model=atrium.model, stream=True, max_tokens=8,
+            messages=[{"role": "user", "content": "a dashboard needs data"}]))
+        client.completions.create(model=atrium.model, prompt="and more", max_tokens=4)
+
+
+def test_every_dashboard_query_runs_and_core_panels_show_data(atrium: Atrium, prometheus: str):
+    stop = threading.Event()
+    sender = threading.Thread(target=_traffic, args=(atrium, stop), daemon=True)
+    sender.start()
+    try:
+        # Enough scrapes for rates over 15 s, an ingest of the traffic's usage, and the
+        # recording rules evaluated.
+        needed = ["sum(rate(vllm:generation_tokens_total[15s])) > 0",
+                  "sum(atrium_tenant_spend_total) >= 0",
+                  "atrium:inference_errors:ratio_rate5m"]
+        deadline = time.monotonic() + 90
+        while missing := [query for query in needed if not _result(prometheus, query)]:
+            assert time.monotonic() < deadline, f"Prometheus never had: {missing}"
+            time.sleep(1)
+        failures, empty = [], []
+        for uid, title, expr in _queries():
+            reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
+            body = reply.json()
+            if reply.status_code != 200 or body.get("status") != "success":
+                failures.append(f"{uid} / {title}: {expr}: {body.get('error')}")
+            elif not body["data"]["result"] and (uid, title) not in MAY_BE_EMPTY:
+                empty.append(f"{uid} / {title}: {expr}")
+        assert not failures, "\n".join(failures)
+        assert not empty, "panels without data:\n" + "\n".join(empty)
+    finally:
+        stop.set()
+        sender.join(timeout=60)
+
+
+def _result(base: str, query: str) -> list:
+    reply = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=10)
+    return reply.json()["data"]["result"] if reply.status_code == 200 else []
