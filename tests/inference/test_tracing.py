@@ -54,8 +54,7 @@ def test_one_trace_holds_the_web_request_and_the_engines_work(api_server, served
     assert format(web.parent.span_id, "016x") == CALLER_SPAN and web.parent.is_remote
     assert web.attributes["http.response.status_code"] == 200
     assert web.attributes["gen_ai.usage.output_tokens"] == 4
-    for step in ("atrium.auth", "atrium.admission"):
-        assert by_name[step].parent.span_id == web.context.span_id
+    assert web.attributes["atrium.auth_ms"] > 0 and web.attributes["atrium.admission_ms"] > 0
     # The engine's spans hang from the web request, across Redis.
     assert engine.parent.span_id == web.context.span_id and engine.parent.is_remote
     assert engine.attributes["gen_ai.usage.output_tokens"] == 4
