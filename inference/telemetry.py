@@ -1,9 +1,10 @@
-"""What an ended inference request adds to the web tier's metrics (core/metrics.py)."""
+"""An inference request's telemetry: what it adds to the web tier's metrics when it ends
+(core/metrics.py), and its trace span (engine/tracing.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -16,14 +17,11 @@ from core.metrics import (
 )
 from engine import tracing
 
-if TYPE_CHECKING:
-    from inference.requestlog import Trace
 
-
-def request_ended(trace: Trace) -> None:
-    """Counts the request, and its tokens as billed, by served model and by tenant, and
-    ends its span. NOTE: the model is the served base model, never the client's string
-    (unbounded)."""
+def request_ended(trace: Any) -> None:
+    """Counts the request (``trace``: its requestlog.Trace), and its tokens as billed, by
+    served model and by tenant, and ends its span. NOTE: the model is the served base
+    model, never the client's string (unbounded)."""
     model = trace.prepared.model.name if trace.prepared is not None else "none"
     status = str(trace.status or 500)
     tenant = tenant_label(trace.principal.tenant_slug)
