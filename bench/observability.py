@@ -173,7 +173,7 @@ WEB_MODES = ("off", "metrics", "traced", "sampled")
 
 
 def _web_round(mode: str, root: Path, env: dict, home: Path, key: str, sink: str,
-               requests: int) -> dict:
+               requests: int, scrape_every: float) -> dict:
     on = mode != "off"
     port, metrics_port = _free_port(), _free_port()
     web_env = {**env, "PYTHONPATH": f"{root}:{root / 'platform'}"}
@@ -203,9 +203,11 @@ def _web_round(mode: str, root: Path, env: dict, home: Path, key: str, sink: str
             time.sleep(0.3)
         asyncio.run(_clients(base, key, 200, 16))  # warm: key cache, imports, pools
         if on:
-            def scrape() -> None:
-                while not stop.wait(1.0):
+            def scrape() -> None:  # one at the start, then every scrape_every seconds
+                while True:
                     httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+                    if stop.wait(scrape_every):
+                        return
 
             threading.Thread(target=scrape, daemon=True).start()
         cpu0 = _cpu_s(proc.pid)
@@ -238,6 +240,10 @@ def main() -> None:
     parser.add_argument("--engine-requests", type=int, default=32)
     parser.add_argument("--engine-max-tokens", type=int, default=128)
     parser.add_argument("--web-requests", type=int, default=1500)
+    parser.add_argument("--scrape-every", type=float, default=1.0,
+                        help="seconds between scrapes of the web process's metrics")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="measure the web request path only")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/observability.json")
     args = parser.parse_args()
 
@@ -255,7 +261,7 @@ def main() -> None:
     try:
         model_dir = Path(_cli(env, home, "build-demo-model").splitlines()[-1])
         engine_rows: dict[str, list] = {"on": [], "off": []}
-        for _ in range(args.rounds):
+        for _ in range(0 if args.skip_engine else args.rounds):
             for mode in ("off", "on"):
                 row = _engine_round(mode == "on", server.url, model_dir, sink,
                                     args.engine_requests, args.engine_max_tokens)
@@ -276,7 +282,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in WEB_MODES:
                 root = args.peer_root if mode == "off" else ROOT
-                row = _web_round(mode, root, env, home, key, sink, args.web_requests)
+                row = _web_round(mode, root, env, home, key, sink, args.web_requests,
+                                 args.scrape_every)
                 web_rows[mode].append(row)
                 print("web", mode, json.dumps(row), flush=True)
     finally:
@@ -284,18 +291,15 @@ def main() -> None:
             proc.terminate()
         server.kill()
 
-    engine_on, engine_off = (_median(engine_rows[m], "cpu_ms_per_step") for m in ("on", "off"))
     web = {mode: _median(web_rows[mode], "cpu_ms_per_request") for mode in WEB_MODES}
-    result = {
+    result: dict = {
         "bench": "observability",
         "machine": f"{os.cpu_count()} CPUs, CPU only; engine, web, Redis, sink and clients "
                    "on the same machine",
         "rounds": args.rounds, "peer_root": str(args.peer_root),
-        "engine": {"requests": args.engine_requests, "max_tokens": args.engine_max_tokens,
-                   "cpu_ms_per_step_on": engine_on, "cpu_ms_per_step_off": engine_off,
-                   "overhead_pct": round((engine_on / engine_off - 1) * 100, 2),
-                   "rounds": engine_rows},
+        "engine": None,
         "web": {"requests": args.web_requests, "concurrency": 16,
+                "scrape_every_s": args.scrape_every,
                 **{f"cpu_ms_per_request_{mode}": web[mode] for mode in WEB_MODES},
                 **{f"overhead_pct_{mode}": round((web[mode] / web["off"] - 1) * 100, 2)
                    for mode in WEB_MODES[1:]},
@@ -304,9 +308,16 @@ def main() -> None:
                    for mode in WEB_MODES},
                 "rounds": web_rows},
     }
+    if not args.skip_engine:
+        on, off = (_median(engine_rows[m], "cpu_ms_per_step") for m in ("on", "off"))
+        result["engine"] = {"requests": args.engine_requests,
+                            "max_tokens": args.engine_max_tokens, "cpu_ms_per_step_on": on,
+                            "cpu_ms_per_step_off": off,
+                            "overhead_pct": round((on / off - 1) * 100, 2),
+                            "rounds": engine_rows}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("engine", "web")}
-                     | {"engine_overhead_pct": result["engine"]["overhead_pct"]}
+                     | {"engine_overhead_pct": (result["engine"] or {}).get("overhead_pct")}
                      | {k: v for k, v in result["web"].items() if k.startswith("overhead")},
                      indent=2))
 
