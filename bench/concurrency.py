@@ -74,6 +74,22 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 1)
 
 
+def wait_ready(base: str, web_proc: subprocess.Popen, logs: list[Path],
+               timeout: float = 120) -> None:
+    """Until the web process at ``base`` answers /readyz; its ``logs`` if it never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or web_proc.poll() is not None:
+            raise SystemExit("the web process did not start:\n"
+                             + "".join(log.read_text()[-3000:] for log in logs if log.exists()))
+        time.sleep(0.3)
+
+
 class Web:
     """The web process, its memory, CPU and Redis connections."""
 
@@ -296,18 +312,7 @@ def main() -> None:
             env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=(home / "engine.log").open("w")))
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or web_proc.poll() is not None:
-                raise SystemExit("the web process did not start:\n"
-                                 + (home / "web.log").read_text()[-3000:]
-                                 + (home / "engine.log").read_text()[-3000:])
-            time.sleep(0.5)
+        wait_ready(base, web_proc, [home / "web.log", home / "engine.log"])
         web = Web(web_proc, server.url)
         others = {"client": os.getpid(), "engine": procs[1].pid,
                   "redis": server.process.pid}

@@ -42,7 +42,7 @@ import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
-from bench.concurrency import MODEL, _cli, _cpu_s, _pct, _stream  # noqa: E402
+from bench.concurrency import MODEL, _cli, _cpu_s, _pct, _stream, wait_ready  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -191,16 +191,7 @@ def _web_round(mode: str, root: Path, env: dict, home: Path, key: str, sink: str
     base = f"http://127.0.0.1:{port}"
     stop = threading.Event()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit((home / "web.log").read_text()[-3000:])
-            time.sleep(0.3)
+        wait_ready(base, proc, [home / "web.log"])
         asyncio.run(_clients(base, key, 200, 16))  # warm: key cache, imports, pools
         if on:
             def scrape() -> None:  # one at the start, then every scrape_every seconds

@@ -314,11 +314,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         default=int(env("ATRIUM_MAX_CPU_LORAS", "64")))
     parser.add_argument("--pin-adapter", action="append", default=[], metavar="HASH",
                         help="keep this adapter in a slot from start-up (repeatable)")
-    parser.add_argument("--metrics-port", type=int, default=int(env("ATRIUM_METRICS_PORT", "0")),
-                        help="serve Prometheus metrics on this port (0: off)")
-    parser.add_argument("--metrics-host", default=env("ATRIUM_METRICS_HOST", "127.0.0.1"),
-                        help="address the metrics endpoint listens on (default: loopback "
-                             "only; 0.0.0.0 for a scraper on another host)")
+    add_metrics_arguments(parser, "ATRIUM_METRICS_PORT")
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser, port_variable: str) -> None:
+    """``--metrics-port`` (default: ``port_variable``, or 0: off) and ``--metrics-host``:
+    every process's Prometheus endpoint is set the same way (docs/observability.md)."""
+    env = os.environ.get
+    parser.add_argument("--metrics-port", type=int, default=int(env(port_variable) or "0"),
+                        help=f"serve Prometheus metrics on this port (default: "
+                             f"{port_variable}, or 0: off)")
+    parser.add_argument("--metrics-host", default=env("ATRIUM_METRICS_HOST") or "127.0.0.1",
+                        help="address the metrics endpoint listens on (default: "
+                             "ATRIUM_METRICS_HOST or loopback only; 0.0.0.0 for a scraper "
+                             "on another host)")
 
 
 def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:

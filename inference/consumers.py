@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from contextlib import aclosing
 from typing import Any
 
@@ -147,14 +146,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
     async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
         trace: requestlog.Trace | None = None
         span = telemetry.request_span(self.trace_headers, f"websocket {kind}")
-        started = time.perf_counter()
         try:
-            try:
-                principal = await authenticate(self.authorization)
-            except BaseException as exc:
-                telemetry.end_span(span, status=getattr(exc, "status", 500), error=exc)
-                raise
-            telemetry.phase(span, "auth", started)
+            principal = await authenticate(self.authorization, span=span)
             # Logged when it ends, however it ends (requestlog.py).
             trace = requestlog.Trace(principal, kind, transport="websocket", span=span)
             trace.body = body

@@ -133,13 +133,7 @@ class EventStream(StreamingHttpResponse):
 
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
     span = telemetry.request_span(request.headers, f"{request.method} {request.path}")
-    started = time.perf_counter()
-    try:
-        principal = await authenticate(request.headers.get("Authorization"))
-    except BaseException as exc:
-        telemetry.end_span(span, status=getattr(exc, "status", 500), error=exc)
-        raise
-    telemetry.phase(span, "auth", started)
+    principal = await authenticate(request.headers.get("Authorization"), span=span)
     # Every authenticated request is logged when it ends (requestlog.py), however it ends.
     trace = requestlog.Trace(principal, kind, transport="http", span=span)
     try:

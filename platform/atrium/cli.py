@@ -235,17 +235,8 @@ def cmd_worker(args: argparse.Namespace) -> None:
     app.worker_main(argv)
 
 
-def _metrics_arguments(parser: argparse.ArgumentParser, port_variable: str) -> None:
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get(
-        port_variable) or 0), help=f"serve Prometheus metrics on this port (default: "
-        f"{port_variable}, or 0: off)")
-    parser.add_argument("--metrics-host", default=os.environ.get("ATRIUM_METRICS_HOST")
-                        or "127.0.0.1", help="address the metrics endpoint listens on "
-                        "(default: ATRIUM_METRICS_HOST or loopback only)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from engine.worker import add_engine_arguments
+    from engine.worker import add_engine_arguments, add_metrics_arguments
 
     parser = argparse.ArgumentParser(prog="atrium", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     web = sub.add_parser("web", help="the ASGI web server (API, websockets, console)")
     web.add_argument("--host", default="127.0.0.1")
     web.add_argument("--port", type=int, default=port, help="default: ATRIUM_PORT or 8000")
-    _metrics_arguments(web, "ATRIUM_WEB_METRICS_PORT")
+    add_metrics_arguments(web, "ATRIUM_WEB_METRICS_PORT")
     web.set_defaults(func=cmd_web)
 
     eng = sub.add_parser("engine", help="one engine worker")
@@ -277,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="Celery worker with beat")
     worker.add_argument("--concurrency", type=int, default=2)
     worker.add_argument("--no-beat", action="store_true")
-    _metrics_arguments(worker, "ATRIUM_WORKER_METRICS_PORT")
+    add_metrics_arguments(worker, "ATRIUM_WORKER_METRICS_PORT")
     worker.set_defaults(func=cmd_worker)
 
     mig = sub.add_parser("migrate", help="create or update the database tables")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from atrium.metrics import FleetCollector
 from engine import protocol
 
@@ -14,18 +12,6 @@ from engine import protocol
 def _scrape() -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in FleetCollector().collect() for s in family.samples}
-
-
-@pytest.fixture
-def redis_client():
-    import redis
-    from django.conf import settings
-
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
 
 
 def test_the_billing_backlog_and_dead_letters_are_read_at_each_scrape(transactional_db,
