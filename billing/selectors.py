@@ -42,6 +42,16 @@ def price_list(*, model: str | None = None, adapter: str | None = None) -> Query
     return prices
 
 
+def base_prices_now(models: Iterable[str], *, currency: str) -> dict[str, Price]:
+    """Each model's base price (no adapter surcharge) in effect now, where it has one."""
+    found: dict[str, Price] = {}
+    for price in Price.objects.filter(model__in=list(models), adapter="", currency=currency,
+                                      effective_from__lte=timezone.now()) \
+            .order_by("model", "effective_from", "id"):
+        found[price.model] = price  # the latest one started wins
+    return found
+
+
 # --- usage ---------------------------------------------------------------------------------
 
 WIDTHS = {"1h": timedelta(hours=1), "1d": timedelta(days=1)}

@@ -59,4 +59,5 @@ urlpatterns = [
     path(f"{OP}/adapters/<slug:slug>/<int:adapter_id>/visibility", operator.adapter_visibility,
          name="op-adapter-visibility"),
     path(f"{OP}/fleet", operator.fleet, name="op-fleet"),
+    path(f"{OP}/health", operator.health, name="op-health"),
 ]

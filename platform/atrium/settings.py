@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import dj_database_url
@@ -213,6 +214,22 @@ ATRIUM_EXPORT_TTL_S = int(os.environ.get("ATRIUM_EXPORT_TTL_S", str(7 * 86400)))
 ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
 STORAGES["billing-exports"] = {"BACKEND": "django.core.files.storage.FileSystemStorage",
                                "OPTIONS": {"location": str(ATRIUM_EXPORT_DIR)}}
+
+# The console's service-health page (docs/observability.md): the Prometheus that scrapes
+# the fleet (unset: the processes' own figures), and what one engine costs an hour, in
+# the billing currency, to put a cost on a million tokens (unset: not shown).
+ATRIUM_PROMETHEUS_URL = os.environ.get("ATRIUM_PROMETHEUS_URL", "").strip()
+if ATRIUM_PROMETHEUS_URL and not re.match(r"https?://", ATRIUM_PROMETHEUS_URL):
+    raise ImproperlyConfigured("ATRIUM_PROMETHEUS_URL must be an http(s):// URL")
+ATRIUM_PROMETHEUS_TIMEOUT_S = float(os.environ.get("ATRIUM_PROMETHEUS_TIMEOUT_S", "3"))
+_hour_cost = os.environ.get("ATRIUM_ENGINE_HOUR_COST", "").strip()
+try:
+    ATRIUM_ENGINE_HOUR_COST = Decimal(_hour_cost) if _hour_cost else None
+except InvalidOperation:
+    ATRIUM_ENGINE_HOUR_COST = Decimal("NaN")
+if ATRIUM_ENGINE_HOUR_COST is not None and not (ATRIUM_ENGINE_HOUR_COST.is_finite()
+                                                and ATRIUM_ENGINE_HOUR_COST >= 0):
+    raise ImproperlyConfigured("ATRIUM_ENGINE_HOUR_COST must be a number like 2.50")
 
 # Celery's broker and result backend are this Redis and nothing else: no CELERY_*
 # variable overrides it, and atrium.apps refuses to start a process in which Celery's

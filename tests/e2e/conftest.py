@@ -94,6 +94,12 @@ class Atrium:
     started_s: float = 0.0
     # The web, engine and worker metrics endpoints, on three ports from this one.
     metrics_port: int = field(default_factory=lambda: free_ports(3))
+    # Where a test's Prometheus listens (tests/e2e/test_dashboards.py), as the console's
+    # service-health page is told by ATRIUM_PROMETHEUS_URL.
+    prometheus_port: int = field(default_factory=free_port)
+
+    def __post_init__(self) -> None:
+        self.env["ATRIUM_PROMETHEUS_URL"] = f"http://127.0.0.1:{self.prometheus_port}"
 
     @property
     def base(self) -> str:

@@ -5,17 +5,19 @@ and the panels an operator relies on must show data."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, Atrium, free_port, wait_for
+from tests.e2e.conftest import ROOT, Atrium, wait_for
 from tests.e2e.test_metrics import _endpoints
 
 OBSERVABILITY = ROOT / "deploy" / "observability"
@@ -50,7 +52,7 @@ def prometheus(atrium: Atrium, tmp_path: Path) -> Iterator[str]:
                 {"targets": [url.removeprefix("http://").removesuffix("/metrics")]}]}
             for what, url in urls.items()]}
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
+    port = atrium.prometheus_port  # the console's ATRIUM_PROMETHEUS_URL
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
@@ -84,20 +86,30 @@ def _traffic(atrium: Atrium, stop: threading.Event) -> None:
         client.completions.create(model=atrium.model, prompt="and more", max_tokens=4)
 
 
-def test_every_dashboard_query_runs_and_core_panels_show_data(atrium: Atrium, prometheus: str):
+@contextmanager
+def _traffic_scraped(atrium: Atrium, prometheus: str, *needed: str) -> Iterator[None]:
+    """Traffic running, and Prometheus holding ``needed`` (each with a result) from it."""
     stop = threading.Event()
     sender = threading.Thread(target=_traffic, args=(atrium, stop), daemon=True)
     sender.start()
     try:
-        # Enough scrapes for rates over 15 s, an ingest of the traffic's usage, and the
-        # recording rules evaluated.
-        needed = ["sum(rate(vllm:generation_tokens_total[15s])) > 0",
-                  "sum(atrium_tenant_spend_total) >= 0",
-                  "atrium:inference_errors:ratio_rate5m"]
         deadline = time.monotonic() + 90
         while missing := [query for query in needed if not _result(prometheus, query)]:
             assert time.monotonic() < deadline, f"Prometheus never had: {missing}"
             time.sleep(1)
+        yield
+    finally:
+        stop.set()
+        sender.join(timeout=60)
+
+
+def test_every_dashboard_query_runs_and_core_panels_show_data(atrium: Atrium, prometheus: str):
+    # Enough scrapes for rates over 15 s, an ingest of the traffic's usage, and the
+    # recording rules evaluated.
+    with _traffic_scraped(atrium, prometheus,
+                          "sum(rate(vllm:generation_tokens_total[15s])) > 0",
+                          "sum(atrium_tenant_spend_total) >= 0",
+                          "atrium:inference_errors:ratio_rate5m"):
         failures, empty = [], []
         for uid, title, expr in _queries():
             reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
@@ -108,11 +120,52 @@ def test_every_dashboard_query_runs_and_core_panels_show_data(atrium: Atrium, pr
                 empty.append(f"{uid} / {title}: {expr}")
         assert not failures, "\n".join(failures)
         assert not empty, "panels without data:\n" + "\n".join(empty)
-    finally:
-        stop.set()
-        sender.join(timeout=60)
 
 
 def _result(base: str, query: str) -> list:
     reply = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=10)
     return reply.json()["data"]["result"] if reply.status_code == 200 else []
+
+
+def _operator_console(atrium: Atrium) -> httpx.Client:
+    """A console session of a new operator, signed in through the login form."""
+    email, password = f"ops-{atrium.setup}-{time.monotonic_ns()}@example.com", "ops pass phrase"
+    made = atrium.cli("create-user", email, "--operator", "--password-stdin",
+                      input=f"{password}\n")
+    assert made.returncode == 0, made.stderr
+    console = httpx.Client(base_url=atrium.base, timeout=30)
+    form = console.get("/console/login")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
+    signed_in = console.post("/console/login", data={
+        "username": email, "password": password, "csrfmiddlewaretoken": token})
+    assert signed_in.status_code == 302, signed_in.text[-2000:]
+    return console
+
+
+def _cell(html: str, row: str, field: str) -> str:
+    found = re.search(rf'<tr data-(?:model|objective)="{re.escape(row)}">.*?'
+                      rf'data-field="{field}">(.*?)</td>', html, re.S)
+    assert found, f"no {field} for {row} in:\n{html[-4000:]}"
+    return re.sub(r"<[^>]+>", "", found.group(1)).strip()
+
+
+def test_the_consoles_service_health_reads_the_same_prometheus(atrium: Atrium, prometheus: str):
+    with _traffic_scraped(atrium, prometheus,
+                          "sum(rate(vllm:generation_tokens_total[5m])) > 0",
+                          "sum(rate(vllm:inter_token_latency_seconds_count[5m])) > 0",
+                          "sum(rate(atrium_inference_requests_total[30d])) > 0"):
+        console = _operator_console(atrium)
+        page = console.get("/console/operator/health")
+        console.close()
+    assert page.status_code == 200
+    html = page.text
+    assert f"From Prometheus at <code>{prometheus}</code>" in html
+    assert 'id="health-problem"' not in html
+    assert _cell(html, atrium.model, "engines") == "1"
+    assert re.fullmatch(r"[\d.]+ (ms|s)", _cell(html, atrium.model, "ttft"))
+    assert re.fullmatch(r"[\d.]+ (ms|s)", _cell(html, atrium.model, "itl"))
+    assert float(_cell(html, atrium.model, "output-tps")) > 0
+    # Every request of the traffic succeeded: all the budget is left.
+    assert _cell(html, "Availability", "good") == "100.000%"
+    assert _cell(html, "Availability", "budget") == "100.0%"
+    assert _cell(html, "Availability", "status") == "met"

@@ -45,7 +45,8 @@ TENANT_OPERATIONS = {
 }
 OPERATOR = {"op-tenants", "op-tenant", "op-tenant-plan", "op-tenant-quota",
             "op-tenant-spend-cap", "op-tenant-member", "op-plans", "op-plan",
-            "op-plan-spend-cap", "op-prices", "op-adapters", "op-adapter-visibility", "op-fleet"}
+            "op-plan-spend-cap", "op-prices", "op-adapters", "op-adapter-visibility", "op-fleet",
+            "op-health"}
 SIGNED_IN = {"home", "invitation-accept"}
 PUBLIC = {"login", "logout"}
 # Each URL's object, by the World's object kinds.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 import zipfile
 from datetime import timedelta
 from decimal import Decimal
@@ -248,7 +249,7 @@ def test_the_operator_watches_the_fleet_live(new_page, world, api_server, served
 
 TENANT_PAGES = ["", "keys", "usage", "billing", "adapters", "logs", "quotas", "members", "audit"]
 OPERATOR_PAGES = ["tenants", "tenants/acme", "plans", "plans/default", "prices", "adapters",
-                  "fleet"]
+                  "fleet", "health"]
 
 
 def test_every_page_renders_without_a_script_or_policy_error(new_page, world, api_server):
@@ -287,11 +288,35 @@ OVERFLOWING_TABLES = """() => [...document.querySelectorAll('.table-wrap')]
     .map(w => (w.querySelector('table') || w).id || 'a table')"""
 
 
-def test_every_table_fits_a_1280_px_window(new_page, world):
+def _engine_reporting(redis_client) -> None:
+    """One live engine with figures in every column the fleet and health pages show."""
+    from engine import protocol
+    from engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics()
+    for seconds in (0.05, 0.3, 1.7):
+        metrics.ttft.observe(seconds)
+        metrics.itl.observe(seconds / 20)
+    now = time.time()
+    beat = protocol.EngineHeartbeat(
+        engine_id="atrium-engine-7d9f8c6b5-x2k4p-1-a1b2c3", model="a-long-model-name-7b-instruct",
+        started_at=now - 60, sent_at=now, running=12, waiting=345, stats={
+            "tokens_generated": 123_456_789, "engine": {
+                "kv_usage": 0.875, "kv_blocks_used": 3500, "kv_blocks_total": 4000,
+                "prefix_cache_hit_rate": 0.4321, "generation_tokens_per_s": 12345.6,
+                "prompt_tokens_per_s": 54321.0, "adapters_in_slots": ["ab" * 32, "cd" * 32],
+                "ttft": metrics.ttft.to_dict(), "itl": metrics.itl.to_dict()}})
+    redis_client.zadd(protocol.ENGINES_ZSET, {beat.engine_id: now})
+    redis_client.set(protocol.engine_key(beat.engine_id), beat.encode(), ex=30)
+
+
+def test_every_table_fits_a_1280_px_window(new_page, world, redis_client):
+    _engine_reporting(redis_client)
     page = new_page(viewport=(1280, 800))
     sign_in(page, "ops@atrium.test", PASSWORD)
     for name in OPERATOR_PAGES:
         page.goto(f"/console/operator/{name}")
+        screenshot(page, f"fit-operator-{name.replace('/', '-')}")
         assert page.evaluate(OVERFLOWING_TABLES) == [], name
     for name in TENANT_PAGES:
         page.goto(f"/console/t/acme/{name}")

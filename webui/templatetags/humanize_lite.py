@@ -37,6 +37,14 @@ def percent(value: float | None, digits: int = 0) -> str:
 
 
 @register.filter
+def seconds(value: float | None) -> str:
+    """A latency: 0.0123 -> 12.3 ms, 2.5 -> 2.50 s."""
+    if value is None:
+        return "—"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+@register.filter
 def limit(value: int | None) -> str:
     """A limit, where None means none."""
     return "no limit" if value is None else f"{int(value):,}"

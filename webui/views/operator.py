@@ -1,5 +1,5 @@
 """The operator console (staff only): tenants, plans and quota overrides, the price book,
-public adapters and the live engine fleet.
+public adapters, the live engine fleet and service health.
 
 Operators act as staff Actors through the same services the management API uses, so
 every change is audited as theirs.
@@ -24,6 +24,7 @@ from tenants import services as tenant_services
 from tenants.models import QUOTA_FIELDS, Role
 from webui import forms
 from webui import selectors as console
+from webui.health import service_health
 from webui.views.base import actor_of, done, form_errors, page, refused, staff_view
 
 
@@ -271,3 +272,13 @@ def fleet(request: HttpRequest) -> HttpResponse:
     """The engines alive now; the page then follows them over /ws/operator/fleet."""
     return page(request, "webui/operator/fleet.html", {"engines": console.fleet_get()},
                 section="op-fleet")
+
+
+@staff_view()
+def health(request: HttpRequest) -> HttpResponse:
+    """Service health: the objectives and their error budget, latency, throughput and what
+    a million tokens bills and costs, per model."""
+    return page(request, "webui/operator/health.html",
+                {"health": service_health(), "currency": settings.ATRIUM_BILLING_CURRENCY,
+                 "hour_cost": settings.ATRIUM_ENGINE_HOUR_COST,
+                 "prometheus_url": settings.ATRIUM_PROMETHEUS_URL}, section="op-health")
