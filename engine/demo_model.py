@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -194,6 +195,9 @@ def demo_model_dir(home: Path | str | None = None, *, seed: int = DEMO_SEED) -> 
     return atrium_home(home) / "models" / f"atrium-demo-{digest}"
 
 
+_BUILDING = threading.Lock()
+
+
 def ensure_demo_model(home: Path | str | None = None) -> Path:
     """Returns the cached demo model, building it first if this is the first call.
 
@@ -204,6 +208,15 @@ def ensure_demo_model(home: Path | str | None = None) -> Path:
     target = demo_model_dir(home)
     if (target / "config.json").exists():
         return target
+    # NOTE: one build per process: a web process's first requests (every /readyz poll)
+    # would each start a build of their own, minutes of training and gigabytes apiece.
+    with _BUILDING:
+        if (target / "config.json").exists():
+            return target
+        return _build_demo_model(target)
+
+
+def _build_demo_model(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=target.parent))

@@ -178,6 +178,23 @@ def test_racing_builds_agree_on_one_model(tiny_demo, tmp_path: Path):
     assert [p.name for p in (tmp_path / "models").iterdir()] == [results[0].name]
 
 
+def test_requests_racing_in_one_process_build_the_model_once(tiny_demo, tmp_path: Path):
+    barrier = threading.Barrier(4)
+    results: list[Path] = []
+
+    def build() -> None:
+        barrier.wait()
+        results.append(ensure_demo_model(tmp_path))
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 4 and len(set(results)) == 1
+    assert len(tiny_demo) == 1  # the others waited for it, then found the model built
+
+
 def test_cli_builds_into_the_given_folder(tmp_path: Path, capsys):
     demo_model.main([str(tmp_path / "cli"), "--size", "tiny", "--seed", "3"])
     assert (tmp_path / "cli" / "model.safetensors").exists()

@@ -90,3 +90,23 @@ def test_tracing_is_off_unless_an_endpoint_is_configured(monkeypatch):
         assert tracing.configure_from_env("test") is True and tracing.enabled()
     finally:
         tracing.use_provider(None)
+
+
+def _sampled(count: int, parent: dict | None = None) -> int:
+    return sum(tracing.tracer().start_span("s", context=tracing.context_from(parent or {}))
+               .is_recording() for _ in range(count))
+
+
+def test_one_new_trace_in_ten_is_kept_unless_a_sampler_is_chosen(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    caller = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    try:
+        assert tracing.configure_from_env("test")
+        assert 50 < _sampled(1000) < 150  # 100 expected; 5 standard deviations either way
+        assert _sampled(100, caller) == 100  # a sampled caller's trace is always followed
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+        assert tracing.configure_from_env("test")
+        assert _sampled(100) == 100
+    finally:
+        tracing.use_provider(None)
