@@ -47,6 +47,9 @@ class ScheduledRequest:
     # A choice of a request with several (engine/parallel.py): the runner returns the raw
     # logprob of each token it samples for the row (its choice's cumulative_logprob).
     sampled_logprob: bool = False
+    # Speculative decoding: token_ids is [the last token] + draft, and the runner keeps
+    # each draft token the model itself chooses (RunnerOutput.speculated).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -89,6 +92,9 @@ class RunnerOutput:
     # Row index -> the first tokens of the prompt's other choices when that row forked
     # (its fork_seeds), one row per choice in fork_seeds order.
     forks: dict[int, RunnerOutput] = field(default_factory=dict)
+    # Row index -> the tokens a speculating row yields: the draft tokens the model chose,
+    # then its own next token (sampled[row] is the first of them).
+    speculated: dict[int, list[int]] = field(default_factory=dict)
 
     def logprobs_of(self, index: int) -> TokenLogprobs | None:
         return self.logprobs[index] if self.logprobs else None
@@ -100,7 +106,8 @@ class RunnerOutput:
     def num_sampled(self) -> int:
         """Tokens sampled in the step, forks' included."""
         return sum(isinstance(t, int) for t in self.sampled) \
-            + sum(f.num_sampled for f in self.forks.values())
+            + sum(f.num_sampled for f in self.forks.values()) \
+            + sum(len(tokens) - 1 for tokens in self.speculated.values())
 
 
 @dataclass(slots=True, frozen=True)

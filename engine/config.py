@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.speculative import parse_mode
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -36,6 +38,11 @@ class EngineConfig:
     # Where to download adapters the store lacks (the platform's /internal/adapters/).
     adapter_fetch_url: str = ""
     engine_token: str = ""
+    # Speculative decoding (engine/speculative.py): "off" or "ngram"; the most draft tokens
+    # a sequence verifies in a step; no sequence speculates while more decode at once.
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -55,6 +62,10 @@ class EngineConfig:
             raise ValueError("max_loras and max_cpu_loras must be >= 1, max_lora_rank in [1, 512]")
         if len(self.pinned_adapters) > self.max_loras:
             raise ValueError("more pinned adapters than LoRA slots")
+        self.speculative = parse_mode(self.speculative)
+        if not 1 <= self.num_speculative_tokens <= 16 or self.speculative_max_batch < 1:
+            raise ValueError("num_speculative_tokens must be in [1, 16], speculative_max_batch "
+                             ">= 1")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover "

@@ -141,6 +141,16 @@ class KVCacheManager:
         for block, block_hash in zip(table[:num_full], seq.block_hashes, strict=False):
             self.pool.cache(block, block_hash)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the blocks past the first ``num_tokens`` positions of ``seq``: room
+        taken for speculated tokens the model rejected. None of them is in the index."""
+        table = self.tables.get(seq.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.release(table[keep:][::-1])
+        del table[keep:]
+
     def free(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.request_id, [])
         # Blocks indexed for a step that never ran hold no valid KV: take them out of the

@@ -81,7 +81,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill, metrics=self.metrics,
-            slots=slots)
+            slots=slots, speculative_tokens=config.num_speculative_tokens
+            if config.speculative == "ngram" else 0,
+            speculative_max_batch=config.speculative_max_batch)
 
     # -- EngineCore -----------------------------------------------------------------------
 
@@ -221,7 +223,8 @@ class LLMEngine:
                       for r in batch.requests]  # None for a request another row ended
             return self._settled(outputs + [out for out in failed if out is not None])
         self.metrics.record_step(
-            prompt_tokens=sum(len(r.token_ids) for r in batch.requests if not r.is_decode),
+            prompt_tokens=sum(len(r.token_ids) for r in batch.requests
+                              if not r.is_decode and not r.draft),
             generation_tokens=sampled.num_sampled)
         return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
 
@@ -315,6 +318,10 @@ class LLMEngine:
             "prompt_tokens_per_s": round(m.prompt_rate.rate(now), 2),
             "generation_tokens_per_s": round(m.generation_rate.rate(now), 2),
             "requests_finished": dict(m.requests_finished), "steps": m.steps,
+            "spec_decode_num_drafts": m.spec_drafts,
+            "spec_decode_num_draft_tokens": m.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": m.spec_accepted_tokens,
+            "spec_decode_accepted_per_pos": list(m.spec_accepted_per_pos),
             "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(), "e2e": m.e2e.to_dict(),
             "queue": m.queue.to_dict(),
             "tenants_waiting": self.scheduler.waiting.num_tenants(),

@@ -78,6 +78,22 @@ class EngineMetrics:
     queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS_S))
     prompt_rate: RateWindow = field(default_factory=RateWindow)
     generation_rate: RateWindow = field(default_factory=RateWindow)
+    # Speculative decoding: drafts verified, their tokens, those accepted, and accepted by
+    # position in the draft (0: the first draft token).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record_draft(self, proposed: int, accepted: int) -> None:
+        """A draft of ``proposed`` tokens was verified; its first ``accepted`` were kept."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        if len(self.spec_accepted_per_pos) < proposed:
+            self.spec_accepted_per_pos += [0] * (proposed - len(self.spec_accepted_per_pos))
+        for position in range(accepted):
+            self.spec_accepted_per_pos[position] += 1
 
     def record_step(self, *, prompt_tokens: int, generation_tokens: int,
                     now: float | None = None) -> None:
@@ -120,6 +136,12 @@ _COUNTERS = (  # (name, snapshot key, help); the exposition appends _total
     ("atrium_engine_steps", "steps", "Engine steps that ran the model."),
     ("atrium_engine_adapter_slot_evictions", "adapter_slot_evictions",
      "LoRA adapters moved out of a device slot to make room for another."),
+    ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative drafts verified."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+     "Speculative draft tokens verified."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative draft tokens the model accepted."),
 )
 _HISTOGRAMS = (  # (name, snapshot key, help)
     ("vllm:time_to_first_token_seconds", "ttft", "Time from arrival to the first token."),
@@ -162,6 +184,13 @@ class SnapshotCollector:
         for reason, count in sorted(snapshot["requests_finished"].items()):
             finished.add_metric([*values, reason], count)
         yield finished
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, by position in the draft.",
+            labels=[*names, "position"])
+        for position, count in enumerate(snapshot.get("spec_decode_accepted_per_pos", [])):
+            per_pos.add_metric([*values, str(position)], count)
+        yield per_pos
         for name, key, help_text in _HISTOGRAMS:
             if (hist := snapshot.get(key)) is None:
                 continue

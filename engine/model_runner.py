@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.batch import RunnerOutput, SampleFailure, ScheduledRequest, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
@@ -24,7 +24,8 @@ from engine.lora.manager import LoRABatch, LoRAManager
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.model_config import ModelConfig
-from engine.sampler import sample_batch
+from engine.sampler import NOT_FINITE, sample_batch
+from engine.speculative import accepted_prefix
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +151,42 @@ class ModelRunner:
         lora = None
         if any(slot >= 0 for slot in row_slots):
             lora = LoRABatch(self.lora, Segments.from_row_slots(row_slots, device))
-        sampling = [i for i in range(len(reqs)) if reqs[i].sample]
+        sampling = [i for i in range(len(reqs)) if reqs[i].sample and not reqs[i].draft]
+        speculating = [i for i in range(len(reqs)) if reqs[i].draft]
         rows, source = _sampling_rows(reqs, sampling)
         masks = self._fill_masks(rows)
         hidden = self.model(torch.tensor(token_ids, device=device),
                             torch.tensor(positions, device=device), self.kv_caches, meta, lora)
-        if not sampling:
-            return RunnerOutput([None] * len(reqs))
-        last = torch.tensor([last_row[i] for i in sampling], device=device)
-        logits = self.model.compute_logits(hidden[last])  # [sampling rows, vocab]
-        if len(rows) > len(sampling):
-            logits = logits[torch.tensor(source, device=device)]  # [rows, vocab]
-        return _sample(logits, reqs, sampling, rows, masks.result() if masks else None)
+        out = RunnerOutput([None] * len(reqs))
+        if sampling:
+            last = torch.tensor([last_row[i] for i in sampling], device=device)
+            logits = self.model.compute_logits(hidden[last])  # [sampling rows, vocab]
+            if len(rows) > len(sampling):
+                logits = logits[torch.tensor(source, device=device)]  # [rows, vocab]
+            out = _sample(logits, reqs, sampling, rows, masks.result() if masks else None)
+        if speculating:
+            self._verify(hidden, reqs, speculating, last_row, out)
+        return out
+
+    def _verify(self, hidden: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
+                last_row: dict[int, int], out: RunnerOutput) -> None:
+        """Each speculating row's tokens: its draft tokens the model chooses itself (greedy,
+        position by position), then the model's own choice after them."""
+        spans = [range(last_row[i] - len(reqs[i].draft), last_row[i] + 1) for i in rows]
+        index = torch.tensor([r for span in spans for r in span], device=self.device)
+        logits = self.model.compute_logits(hidden[index])  # [sum of draft + 1, vocab]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        chosen = torch.argmax(logits, dim=-1).tolist()
+        start = 0
+        for i, span in zip(rows, spans, strict=True):
+            stop = start + len(span)
+            if not all(finite[start:stop]):
+                out.sampled[i] = SampleFailure(NOT_FINITE)
+            else:
+                kept = accepted_prefix(reqs[i].draft, chosen[start:stop])
+                out.speculated[i] = reqs[i].draft[:kept] + [chosen[start + kept]]
+                out.sampled[i] = out.speculated[i][0]
+            start = stop
 
     def _fill_masks(self, rows: list[ScheduledRequest]) -> Future | None:
         """Starts filling the constrained rows' grammar masks on a thread, to overlap the

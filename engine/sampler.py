@@ -21,7 +21,7 @@ from engine.seeds import stream_seed
 
 log = logging.getLogger(__name__)
 
-_NOT_FINITE = "the model produced logits that are not finite (NaN or infinite)"
+NOT_FINITE = "the model produced logits that are not finite (NaN or infinite)"
 _NOTHING_LEFT = "no token is allowed here (the grammar and min_tokens masked them all)"
 
 
@@ -66,7 +66,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
     when the logits hold a NaN or +inf, or no token is left.
     """
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
-        raise ValueError(_NOT_FINITE)
+        raise ValueError(NOT_FINITE)
     if bool(torch.isneginf(logits).all()):
         raise ValueError(_NOTHING_LEFT)
     if params.greedy:
@@ -123,7 +123,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest], *,
     out: list[int | SampleFailure] = []
     for i, r in enumerate(rows):
         if not finite[i]:
-            out.append(SampleFailure(_NOT_FINITE))
+            out.append(SampleFailure(NOT_FINITE))
         elif r.sampling.greedy and i not in shaped:
             out.append(greedy[i])
         else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from engine import parallel, protocol
+from engine import parallel, protocol, speculative
 from engine.batch import RunnerOutput, SampleFailure, ScheduledRequest, SchedulerOutput
 from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
@@ -34,7 +34,8 @@ class Scheduler:
                  max_model_len: int, eos_token_ids: frozenset[int] = frozenset(),
                  enable_chunked_prefill: bool = True,
                  metrics: EngineMetrics | None = None,
-                 slots: AdapterSlots | None = None) -> None:
+                 slots: AdapterSlots | None = None, speculative_tokens: int = 0,
+                 speculative_max_batch: int = 4) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,6 +44,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.metrics = metrics or EngineMetrics()
         self.slots = slots
+        # Speculative decoding (engine/speculative.py): the most draft tokens a sequence
+        # verifies in a step (0: off), and the most decodes a step may have to speculate.
+        self.speculative_tokens = speculative_tokens
+        self.speculative_max_batch = speculative_max_batch
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
@@ -106,6 +111,8 @@ class Scheduler:
         preempted = False
         # NOTE: a stable sort: decodes (one token to run) first, each group in arrival order.
         queue = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
+        speculate = self.speculative_tokens > 0 and sum(
+            s.num_uncomputed == 1 for s in queue) <= self.speculative_max_batch
         for seq in queue:
             if budget == 0:
                 break
@@ -114,6 +121,8 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if n < seq.num_uncomputed and not self.enable_chunked_prefill:
                 continue
+            seq.draft = self._draft(seq, budget - 1) if speculate and n == 1 else []
+            n += len(seq.draft)
             while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=lambda s: (s.priority, s.arrival))
                 self._preempt(victim)
@@ -124,9 +133,24 @@ class Scheduler:
                     break
             else:
                 scheduled[seq.request_id] = (seq, n)
+                # NOTE: draft tokens are not in token_ids: only verified ones are indexed.
                 self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 budget -= n
         return budget, preempted
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """The tokens ``seq`` speculates this step (engine/speculative.py): none unless it
+        may, at most ``room`` and never past its max_tokens or the context."""
+        forks = seq.group is not None and seq.group.unforked(seq)
+        if not speculative.speculates(seq.params, has_grammar=seq.grammar is not None,
+                                      forks=forks):
+            return []
+        if seq.draft_length is None:
+            seq.draft_length = speculative.DraftLength(self.speculative_tokens)
+        limit = min(seq.draft_length.current, room,
+                    seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+        return speculative.propose_ngram(seq.token_ids, limit)
 
     def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], budget: int) -> None:
         """Waiting sequences in fair order. A sequence whose adapter has no free slot is
@@ -179,6 +203,9 @@ class Scheduler:
             seq = self.sequences.get(req.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if req.draft:
+                outputs.append(self._advance_speculated(seq, req, ran, index, now))
+                continue
             seq.num_computed_tokens += len(req.token_ids)
             seq.num_prompt_tokens_done = max(seq.num_prompt_tokens_done,
                                              min(seq.num_computed_tokens, seq.num_prompt_tokens))
@@ -232,6 +259,31 @@ class Scheduler:
         out.logprobs = None if logprobs is None else [logprobs]
         return out
 
+    def _advance_speculated(self, seq: Sequence, req: ScheduledRequest, ran: RunnerOutput,
+                            index: int, now: float) -> RequestOutput | None:
+        """Appends what a speculating row yielded: the draft tokens the model chose, then its
+        own; the KV of the rejected ones is given back."""
+        seq.draft = []
+        token = ran.sampled[index]
+        if isinstance(token, SampleFailure):
+            return self.abort(seq.request_id, None, error=token.reason)
+        tokens = ran.speculated[index]
+        accepted = len(tokens) - 1
+        # The last token and the accepted drafts are in the KV now; the rest is not.
+        seq.num_computed_tokens += 1 + accepted
+        self.kv.trim(seq, seq.num_computed_tokens + 1)
+        seq.draft_length.update(len(req.draft), accepted)
+        self.metrics.record_draft(len(req.draft), accepted)
+        # NOTE: the tokens arrived together; the time since the last one is spread over them.
+        began = seq.last_token_at or now
+        outputs = []
+        for k, token in enumerate(tokens):
+            outputs.append(self._advance(seq, token, ran, index,
+                                         began + (now - began) * (k + 1) / len(tokens)))
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+        return merge_outputs([out for out in outputs if out is not None])
+
     def _fork(self, parent: Sequence, grammars: list) -> list[Sequence]:
         """The other n - 1 choices of ``parent``'s prompt, sharing its KV blocks."""
         group, first = parent.group, parent.index + 1
@@ -250,6 +302,14 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledRequest:
         start = seq.num_computed_tokens
+        if seq.draft:  # the last token, then the draft (n counts both)
+            return ScheduledRequest(
+                request_id=seq.request_id, token_ids=seq.token_ids[start:] + seq.draft,
+                start_pos=start, block_table=self.kv.block_table(seq), sample=True,
+                sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
+                adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash,
+                history=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+                sampled_logprob=seq.group is not None, draft=list(seq.draft))
         fork_seeds, fork_grammars = parallel.forks_due(seq, start + n == seq.num_tokens)
         return ScheduledRequest(
             request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,
@@ -265,6 +325,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         self._release_slot(seq)
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -341,6 +402,20 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.sequences[seq.request_id]
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput | None:
+    """One step's outputs of one sequence as one: their text and tokens in order, and how
+    the last one ended."""
+    if len(outputs) <= 1:
+        return outputs[0] if outputs else None
+    last = outputs[-1]
+    last.text_delta = "".join(out.text_delta for out in outputs)
+    last.token_ids = [t for out in outputs for t in out.token_ids]
+    logprobs = [out.logprobs for out in outputs]
+    last.logprobs = None if any(lp is None for lp in logprobs) \
+        else [lp for group in logprobs for lp in group]
+    return last
 
 
 def usage_of(seq: Sequence) -> Usage:

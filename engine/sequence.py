@@ -56,6 +56,10 @@ class Sequence:
     adapter_ready_at: float | None = None  # when its adapter's load, which it waited for, ended
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # Speculative decoding (engine/speculative.py): the tokens proposed for the step being
+    # run (empty: none), and how long its drafts are now.
+    draft: list[int] = field(default_factory=list)
+    draft_length: Any = None
 
     @property
     def reported_id(self) -> str:

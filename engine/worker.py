@@ -314,6 +314,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         default=int(env("ATRIUM_MAX_CPU_LORAS", "64")))
     parser.add_argument("--pin-adapter", action="append", default=[], metavar="HASH",
                         help="keep this adapter in a slot from start-up (repeatable)")
+    parser.add_argument("--speculative", default=env("ATRIUM_SPECULATIVE", "off"),
+                        help="speculative decoding: off or ngram (prompt lookup; "
+                             "docs/speculative.md)")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        default=int(env("ATRIUM_SPECULATIVE_TOKENS", "4")),
+                        help="the most draft tokens a sequence verifies in a step")
+    parser.add_argument("--speculative-max-batch", type=int,
+                        default=int(env("ATRIUM_SPECULATIVE_MAX_BATCH", "4")),
+                        help="no sequence speculates while more than this many decode")
     add_metrics_arguments(parser, "ATRIUM_METRICS_PORT")
 
 
@@ -358,7 +367,9 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras, pinned_adapters=tuple(args.pin_adapter),
             adapter_fetch_url=args.adapter_fetch_url,
-            engine_token=os.environ.get("ATRIUM_ENGINE_TOKEN", "")))
+            engine_token=os.environ.get("ATRIUM_ENGINE_TOKEN", ""),
+            speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+            speculative_max_batch=args.speculative_max_batch))
 
     return factory
 

@@ -67,7 +67,12 @@ def hf_outputs(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]
     {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
     {"enable_prefix_caching": False, "max_num_seqs": 5},
     {"use_triton": True, "num_kv_blocks": 256},  # the Triton decode kernel (interpreted on CPU)
-], ids=["default", "chunked", "preempting", "unchunked", "no-prefix-cache-5-seqs", "triton"])
+    # n-gram speculation for every decoding sequence, drafts verified in one pass each
+    {"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 64},
+    {"speculative": "ngram", "num_speculative_tokens": 3, "speculative_max_batch": 64,
+     "num_kv_blocks": 40, "block_size": 8, "max_num_batched_tokens": 64},
+], ids=["default", "chunked", "preempting", "unchunked", "no-prefix-cache-5-seqs", "triton",
+        "speculative", "speculative-preempting"])
 def test_greedy_batch_equals_transformers(tiny_model_dir, prompts, hf_outputs, options):
     engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, **options))
     for i, prompt in enumerate(prompts):
@@ -77,6 +82,8 @@ def test_greedy_batch_equals_transformers(tiny_model_dir, prompts, hf_outputs, o
         assert tokens(outputs[f"r{i}"]) == hf_outputs[i], f"prompt {i} ({len(prompts[i])} tokens)"
     if "num_kv_blocks" in options and options["num_kv_blocks"] == 40:
         assert engine.scheduler.num_preemptions > 0
+    if "speculative" in options:
+        assert engine.metrics.spec_accepted_tokens > 0  # it speculated, and it paid off
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 

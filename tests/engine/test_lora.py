@@ -84,8 +84,11 @@ def test_every_adapter_changes_the_output(expected):
         assert expected[name] != expected[None], name
 
 
-@pytest.mark.parametrize("options", [{}, {"max_loras": 2, "max_num_batched_tokens": 32}],
-                         ids=["slots-for-all", "two-slots"])
+@pytest.mark.parametrize("options", [
+    {}, {"max_loras": 2, "max_num_batched_tokens": 32},
+    # drafts verified with each row's own adapter applied
+    {"speculative": "ngram", "speculative_max_batch": 64}],
+    ids=["slots-for-all", "two-slots", "speculative"])
 def test_mixed_batch_equals_peft_for_each_adapter_alone(tiny_model_dir, store_root, adapters,
                                                         expected, options):
     eng = engine(tiny_model_dir, store_root, **options)
@@ -104,6 +107,8 @@ def test_mixed_batch_equals_peft_for_each_adapter_alone(tiny_model_dir, store_ro
         assert tokens(outputs[rid]) == expected[name][p], (rid, name)
     assert max(len(s) for s in seen_per_step) == min(len(ADAPTERS), eng.config.max_loras)
     assert max(len(s) for s in seen_per_step) <= eng.config.max_loras
+    if eng.config.speculative != "off":
+        assert eng.metrics.spec_accepted_tokens > 0
 
 
 def _engine_logits(runner, prompt: list[int], slot: int, adapter_hash: str) -> torch.Tensor:

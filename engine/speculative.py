@@ -1,0 +1,91 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them in one forward pass.
+
+A running sequence that speculates runs ``[its last token] + draft`` in a step instead of
+its last token alone; the step gives logits at every position, and a draft token is kept
+while it is the token the model would have chosen there. The first token the model
+disagrees on (or the one after the whole draft) is the step's own sample, so a step
+yields one to ``1 + len(draft)`` tokens and never a different one: greedy output is
+the same as without speculation.
+
+Proposer: n-gram prompt lookup. The longest recent suffix of the sequence (up to
+``MAX_NGRAM`` tokens) that occurred earlier in it is looked up, and the tokens that
+followed that earlier occurrence are the draft. It needs no model, no adapter and no KV.
+
+What may speculate (``speculates``): greedy sequences whose logits nothing but the model
+shapes: no grammar, penalties, logit bias, pending min_tokens, logprobs or choices that
+fork. Others run one token a step, as always.
+
+Adaptive: a sequence's draft length follows its recent acceptance (``DraftLength``), and
+no sequence speculates while more than ``max_batch`` decode, where a step is bound by
+compute rather than by reading the weights, so speculation never costs throughput under
+load. Operators choose it (``ATRIUM_SPECULATIVE``); tenants cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+MAX_NGRAM = 4  # the longest suffix looked up
+MIN_NGRAM = 1  # the shortest
+MODES = ("off", "ngram")
+
+
+def parse_mode(value: str) -> str:
+    """``ATRIUM_SPECULATIVE``: off or ngram (ValueError otherwise)."""
+    mode = (value or "off").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"speculative decoding must be one of {', '.join(MODES)}, got {value!r}")
+    return mode
+
+
+def propose_ngram(tokens: list[int], k: int, *, max_ngram: int = MAX_NGRAM,
+                  min_ngram: int = MIN_NGRAM) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
+    of ``tokens`` (``max_ngram`` down to ``min_ngram`` long) found earlier in it."""
+    if k <= 0:
+        return []
+    total = len(tokens)
+    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
+        suffix = tokens[total - n:]
+        # NOTE: the latest occurrence first: recent text predicts the next better.
+        for start in range(total - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def speculates(params: SamplingParams, *, has_grammar: bool, forks: bool) -> bool:
+    """Whether a sequence's next tokens can be verified against the model's argmax."""
+    return params.greedy and not params.shapes_logits and not has_grammar \
+        and params.logprobs is None and not forks
+
+
+def accepted_prefix(draft: list[int], chosen: list[int]) -> int:
+    """How many leading draft tokens the model chose itself (``chosen[i]``: its choice
+    at draft position i, one more than the draft)."""
+    a = 0
+    while a < len(draft) and draft[a] == chosen[a]:
+        a += 1
+    return a
+
+
+@dataclass(slots=True)
+class DraftLength:
+    """A sequence's draft length: grows by one after a fully accepted draft, shrinks to
+    what was accepted plus one after a rejection, between 1 and ``limit``."""
+
+    limit: int
+    current: int = 0
+
+    def __post_init__(self) -> None:
+        self.current = self.current or self.limit
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.current = min(self.limit, self.current + 1)
+        else:
+            self.current = max(1, accepted + 1)

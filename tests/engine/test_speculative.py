@@ -1,0 +1,122 @@
+"""Speculative decoding (engine/speculative.py): the n-gram proposer, the draft length,
+and the engine with it on: the same greedy output, fewer steps, its metrics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.metrics import render_prometheus
+from engine.speculative import DraftLength, accepted_prefix, parse_mode, propose_ngram
+from tests.engine.test_llm_engine import drain, request, tokens
+
+
+def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    tokens_ = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" last occurred before as "2 3 7 8 ..." (the latest one), not "2 3 9".
+    assert propose_ngram(tokens_, 3) == [7, 8, 5]
+    assert propose_ngram([4, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the 3-gram wins
+    assert propose_ngram([1, 2, 3], 4) == []  # nothing repeats
+    assert propose_ngram([5, 5], 3) == [5]  # what follows, however little
+    assert propose_ngram([1, 2, 1, 2], 0) == []
+
+
+def test_a_draft_keeps_its_tokens_while_the_model_chooses_them():
+    assert accepted_prefix([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted_prefix([4, 5, 6], [4, 5, 6, 1]) == 3
+    assert accepted_prefix([4], [7, 1]) == 0
+
+
+def test_the_draft_length_follows_acceptance():
+    length = DraftLength(limit=4)
+    assert length.current == 4
+    length.update(4, 1)
+    assert length.current == 2  # what was accepted, plus one
+    length.update(2, 2)
+    length.update(3, 3)
+    assert length.current == 4  # grows by one per full acceptance, up to the limit
+    length.update(4, 4)
+    assert length.current == 4
+    length.update(0, 0)  # nothing proposed: unchanged
+    assert length.current == 4
+
+
+def test_only_operators_modes_are_accepted(tiny_model_dir):
+    assert parse_mode("NGRAM") == "ngram" and parse_mode("") == "off"
+    with pytest.raises(ValueError, match="one of off, ngram"):
+        parse_mode("draft:/models/small")  # not yet: the draft-model proposer
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(model_dir=tiny_model_dir, speculative="ngram", num_speculative_tokens=0)
+
+
+def _run(tiny_model_dir, prompts, **options) -> tuple[LLMEngine, dict]:
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, **options))
+    for i, (prompt, sampling) in enumerate(prompts):
+        engine.add_request(request(f"r{i}", prompt, **sampling))
+    return engine, drain(engine)
+
+
+@pytest.fixture(scope="module")
+def grounded() -> list[int]:
+    """A prompt that quotes itself: its second half repeats its first."""
+    rng = random.Random(7)
+    text = [rng.randrange(10, 1400) for _ in range(48)]
+    return text + text[:24]
+
+
+def test_one_grounded_request_takes_fewer_steps_for_the_same_tokens(tiny_model_dir, grounded):
+    plain, expected = _run(tiny_model_dir, [(grounded, {"max_tokens": 48})])
+    fast, got = _run(tiny_model_dir, [(grounded, {"max_tokens": 48})], speculative="ngram")
+    assert tokens(got["r0"]) == tokens(expected["r0"])
+    assert "".join(o.text_delta for o in got["r0"]) == "".join(
+        o.text_delta for o in expected["r0"])
+    assert got["r0"][-1].usage.completion_tokens == expected["r0"][-1].usage.completion_tokens
+    assert got["r0"][-1].finish_reason == expected["r0"][-1].finish_reason
+    assert fast.metrics.spec_accepted_tokens > 0
+    assert fast.metrics.steps < plain.metrics.steps
+    assert fast.kv.num_free_blocks == fast.kv.num_blocks  # rejected drafts' blocks returned
+
+
+def test_what_cannot_be_verified_by_argmax_never_speculates(tiny_model_dir, grounded):
+    shaped = [{"max_tokens": 16, "temperature": 0.8, "seed": 1},
+              {"max_tokens": 16, "logprobs": 2},
+              {"max_tokens": 16, "presence_penalty": 0.5},
+              {"max_tokens": 16, "min_tokens": 4}]
+    engine, outputs = _run(tiny_model_dir, [(grounded, s) for s in shaped],
+                           speculative="ngram", speculative_max_batch=64)
+    assert engine.metrics.spec_drafts == 0
+    assert all(outputs[f"r{i}"][-1].finished for i in range(len(shaped)))
+
+
+def test_choices_of_one_prompt_speculate_and_match_without(tiny_model_dir, grounded):
+    sampling = {"max_tokens": 24, "n": 2}
+    _, expected = _run(tiny_model_dir, [(grounded, sampling)])
+    engine, got = _run(tiny_model_dir, [(grounded, sampling)], speculative="ngram")
+    for index in (0, 1):  # the choices' deltas interleave differently; each is the same
+        assert [t for o in got["r0"] if o.index == index for t in o.token_ids] == \
+            [t for o in expected["r0"] if o.index == index for t in o.token_ids]
+    assert engine.metrics.spec_accepted_tokens > 0
+
+
+def test_a_busy_batch_does_not_speculate(tiny_model_dir, grounded):
+    engine, _ = _run(tiny_model_dir, [(grounded, {"max_tokens": 8})] * 1
+                     + [(grounded[:40], {"max_tokens": 8})] * 5,
+                     speculative="ngram", speculative_max_batch=2)
+    assert engine.metrics.spec_drafts == 0  # six decoding at once, above the limit of two
+
+
+def test_the_metrics_use_vllms_spec_decode_names(tiny_model_dir, grounded):
+    engine, _ = _run(tiny_model_dir, [(grounded, {"max_tokens": 32})], speculative="ngram")
+    text = render_prometheus(engine.snapshot(), model_name="tiny", engine="e1")
+    m = engine.metrics
+    assert f'vllm:spec_decode_num_drafts_total{{engine="e1",model_name="tiny"}} ' \
+           f'{float(m.spec_drafts)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{engine="e1",model_name="tiny"}} ' \
+           f'{float(m.spec_accepted_tokens)}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="e1",model_name="tiny",' \
+           'position="0"}' in text
+    assert m.spec_accepted_per_pos[0] >= m.spec_accepted_per_pos[-1]
+    assert sum(m.spec_accepted_per_pos) == m.spec_accepted_tokens <= m.spec_draft_tokens
