@@ -25,7 +25,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.model_config import ModelConfig
 from engine.sampler import NOT_FINITE, sample_batch
-from engine.speculative import accepted_prefix
+from engine.speculative import accepted_prefix, verify_sampled
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,9 @@ class ModelRunner:
 
     def _verify(self, hidden: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
                 last_row: dict[int, int], out: RunnerOutput) -> None:
-        """Each speculating row's tokens: its draft tokens the model chooses itself (greedy,
-        position by position), then the model's own choice after them."""
+        """Each speculating row's tokens (engine/speculative.py): greedy, its draft tokens
+        the model chooses itself, then the model's own choice after them; sampled, by
+        rejection sampling."""
         spans = [range(last_row[i] - len(reqs[i].draft), last_row[i] + 1) for i in rows]
         index = torch.tensor([r for span in spans for r in span], device=self.device)
         logits = self.model.compute_logits(hidden[index])  # [sum of draft + 1, vocab]
@@ -179,12 +180,16 @@ class ModelRunner:
         chosen = torch.argmax(logits, dim=-1).tolist()
         start = 0
         for i, span in zip(rows, spans, strict=True):
-            stop = start + len(span)
+            req, stop = reqs[i], start + len(span)
             if not all(finite[start:stop]):
                 out.sampled[i] = SampleFailure(NOT_FINITE)
+            elif req.sampling.greedy:
+                kept = accepted_prefix(req.draft, chosen[start:stop])
+                out.speculated[i] = req.draft[:kept] + [chosen[start + kept]]
             else:
-                kept = accepted_prefix(reqs[i].draft, chosen[start:stop])
-                out.speculated[i] = reqs[i].draft[:kept] + [chosen[start + kept]]
+                out.speculated[i] = verify_sampled(logits[start:stop], req.draft, req.sampling,
+                                                   req.seed, req.num_output_tokens)
+            if i in out.speculated:
                 out.sampled[i] = out.speculated[i][0]
             start = stop
 

@@ -71,6 +71,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
         raise ValueError(_NOTHING_LEFT)
     if params.greedy:
         return int(torch.argmax(logits))
+    probs = probabilities(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator_for(seed, step, probs.device)))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: ``logits`` [vocab] after temperature,
+    top-k and top-p, as probabilities [vocab] (float32)."""
     logits = logits.float()
     # NOTE: shifted so the largest logit is 0 before dividing: however small the
     # temperature, the others only fall towards -inf and the largest keeps probability > 0,
@@ -85,9 +92,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -
         # Drop a token once the tokens before it already cover top_p; the first always stays.
         drop = torch.cumsum(probs, dim=-1) - probs > params.top_p
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)  # [vocab]
-    generator = torch.Generator(device=logits.device).manual_seed(stream_seed(seed, step))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(logits, dim=-1)  # [vocab]
+
+
+def generator_for(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The random stream of draw ``step`` of a request seeded with ``seed``."""
+    return torch.Generator(device=device).manual_seed(stream_seed(seed, step))
 
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[ScheduledRequest], *,

@@ -24,8 +24,12 @@ load. Operators choose it (``ATRIUM_SPECULATIVE``); tenants cannot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_NGRAM = 4  # the longest suffix looked up
 MIN_NGRAM = 1  # the shortest
@@ -57,9 +61,12 @@ def propose_ngram(tokens: list[int], k: int, *, max_ngram: int = MAX_NGRAM,
 
 
 def speculates(params: SamplingParams, *, has_grammar: bool, forks: bool) -> bool:
-    """Whether a sequence's next tokens can be verified against the model's argmax."""
-    return params.greedy and not params.shapes_logits and not has_grammar \
-        and params.logprobs is None and not forks
+    """Whether a sequence's next tokens can be verified: greedy (against the argmax), or
+    sampled without a seed (by rejection sampling). NOTE: a seeded request never
+    speculates: its tokens must be the same whatever shares its batch, and whether a
+    sequence speculates depends on the batch."""
+    return (params.greedy or params.seed is None) and not params.shapes_logits \
+        and not has_grammar and params.logprobs is None and not forks
 
 
 def accepted_prefix(draft: list[int], chosen: list[int]) -> int:
@@ -89,3 +96,36 @@ class DraftLength:
             self.current = min(self.limit, self.current + 1)
         else:
             self.current = max(1, accepted + 1)
+
+
+def verify_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParams, seed: int,
+                   step: int) -> list[int]:
+    """The tokens a sampled (temperature > 0) row yields from its logits [len(draft) + 1,
+    vocab]: rejection sampling, so each token has exactly the distribution it has without
+    speculation. ``step``: the index of the row's first new output token (its random
+    stream, engine/seeds.py).
+
+    A draft token x comes from a proposer that puts all its probability on x, so it is
+    kept with probability p(x) under the model's distribution p at its position; when it
+    is not, the position's token is drawn from p without x (renormalised), and the draft
+    ends there. After a fully kept draft, the next token is drawn from p as usual.
+    """
+    import torch  # NOTE: here, not above: engine.config imports this module, torch-free
+
+    from engine.sampler import generator_for, probabilities
+
+    out = []
+    for j, token in enumerate(draft):
+        probs = probabilities(logits[j], params)
+        generator = generator_for(seed, step + j, logits.device)
+        if float(torch.rand(1, generator=generator, device=logits.device)) < float(probs[token]):
+            out.append(token)
+            continue
+        rest = probs.clone()
+        rest[token] = 0.0
+        out.append(int(torch.multinomial(rest / rest.sum(), 1, generator=generator)))
+        return out
+    probs = probabilities(logits[len(draft)], params)
+    out.append(int(torch.multinomial(probs, 1, generator=generator_for(
+        seed, step + len(draft), logits.device))))
+    return out

@@ -10,7 +10,13 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import render_prometheus
-from engine.speculative import DraftLength, accepted_prefix, parse_mode, propose_ngram
+from engine.speculative import (
+    DraftLength,
+    accepted_prefix,
+    parse_mode,
+    propose_ngram,
+    verify_sampled,
+)
 from tests.engine.test_llm_engine import drain, request, tokens
 
 
@@ -120,3 +126,60 @@ def test_the_metrics_use_vllms_spec_decode_names(tiny_model_dir, grounded):
            'position="0"}' in text
     assert m.spec_accepted_per_pos[0] >= m.spec_accepted_per_pos[-1]
     assert sum(m.spec_accepted_per_pos) == m.spec_accepted_tokens <= m.spec_draft_tokens
+
+
+def _chi_square_same(a: list[int], b: list[int]) -> tuple[float, float]:
+    """Pearson's chi-square statistic of two samples being drawn from one distribution
+    (categories seen fewer than 10 times in all pooled), and its 0.1% critical value
+    (Wilson-Hilferty's approximation of the chi-square quantile)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]
+    rows = [[ca[t], cb[t]] for t in common]
+    rows.append([len(a) - sum(r[0] for r in rows), len(b) - sum(r[1] for r in rows)])
+    rows = [r for r in rows if sum(r)]
+    total, sizes = len(a) + len(b), (len(a), len(b))
+    stat = sum((r[g] - sum(r) * sizes[g] / total) ** 2 / (sum(r) * sizes[g] / total)
+               for r in rows for g in (0, 1))
+    df, z = max(1, len(rows) - 1), 3.0902  # z of the 0.999 quantile
+    return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_rejection_sampling_keeps_each_positions_distribution():
+    """Draws through verify_sampled and through the sampler without speculation, from the
+    same logits: the first token, and the second given the first kept the draft's, have
+    the same distribution (chi-square tests at 0.1%)."""
+    import torch
+
+    from engine.sampler import sample
+    from engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen) * 2.0  # [draft + 1, vocab]
+    draft = [int(torch.argsort(logits[0])[-2]), int(torch.argmax(logits[1]))]  # 2nd, 1st
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=30)
+    count = 6000
+    spec = [verify_sampled(logits, draft, params, seed, 5) for seed in range(count)]
+    plain = [sample(logits[0], params, seed, 5) for seed in range(count, 2 * count)]
+    kept = [out for out in spec if out[0] == draft[0]]
+    assert 0.05 < len(kept) / count < 0.95  # the draft was kept at times, rejected at times
+    assert all(len(out) == 1 for out in spec if out[0] != draft[0])  # a rejection ends it
+    stat, critical = _chi_square_same([out[0] for out in spec], plain)
+    assert stat < critical, ("first token", stat, critical)
+    after = [sample(logits[1], params, seed, 6) for seed in range(2 * count, 3 * count)]
+    stat, critical = _chi_square_same([out[1] for out in kept], after)
+    assert stat < critical, ("second token", stat, critical)
+
+
+def test_unseeded_sampling_speculates_in_the_engine_and_seeded_does_not(tiny_model_dir,
+                                                                         grounded):
+    sampling = {"max_tokens": 12, "temperature": 0.8}
+    engine, outputs = _run(tiny_model_dir, [(grounded, sampling)] * 8,
+                           speculative="ngram", speculative_max_batch=64)
+    assert engine.metrics.spec_drafts > 0
+    assert all(o[-1].usage.completion_tokens == len(tokens(o)) for o in outputs.values())
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    seeded, _ = _run(tiny_model_dir, [(grounded, {**sampling, "seed": 4})] * 8,
+                     speculative="ngram", speculative_max_batch=64)
+    assert seeded.metrics.spec_drafts == 0  # its tokens must not depend on the batch
