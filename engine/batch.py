@@ -92,9 +92,8 @@ class RunnerOutput:
     # Row index -> the first tokens of the prompt's other choices when that row forked
     # (its fork_seeds), one row per choice in fork_seeds order.
     forks: dict[int, RunnerOutput] = field(default_factory=dict)
-    # Row index -> the tokens a speculating row yields: the draft tokens the model chose,
-    # then its own next token (sampled[row] is the first of them).
-    speculated: dict[int, list[int]] = field(default_factory=dict)
+    # Row index -> what a speculating row yields (sampled[row] is its first token).
+    speculated: dict[int, Speculated] = field(default_factory=dict)
 
     def logprobs_of(self, index: int) -> TokenLogprobs | None:
         return self.logprobs[index] if self.logprobs else None
@@ -107,7 +106,17 @@ class RunnerOutput:
         """Tokens sampled in the step, forks' included."""
         return sum(isinstance(t, int) for t in self.sampled) \
             + sum(f.num_sampled for f in self.forks.values()) \
-            + sum(len(tokens) - 1 for tokens in self.speculated.values())
+            + sum(len(s.tokens) - 1 for s in self.speculated.values())
+
+
+@dataclass(slots=True)
+class Speculated:
+    """A speculating row's tokens (engine/speculative.py): the draft tokens kept, then the
+    model's own next one; and, where the row asked, each one's logprobs and raw logprob."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    sampled_logprobs: list[float] | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,7 +25,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.model_config import ModelConfig
 from engine.sampler import NOT_FINITE, sample_batch
-from engine.speculative import accepted_prefix, verify_sampled
+from engine.speculative import verify_row
 
 log = logging.getLogger(__name__)
 
@@ -170,27 +170,20 @@ class ModelRunner:
 
     def _verify(self, hidden: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
                 last_row: dict[int, int], out: RunnerOutput) -> None:
-        """Each speculating row's tokens (engine/speculative.py): greedy, its draft tokens
-        the model chooses itself, then the model's own choice after them; sampled, by
-        rejection sampling."""
+        """Each speculating row's tokens (engine/speculative.py), from its logits at the
+        last token and at each draft token."""
         spans = [range(last_row[i] - len(reqs[i].draft), last_row[i] + 1) for i in rows]
         index = torch.tensor([r for span in spans for r in span], device=self.device)
         logits = self.model.compute_logits(hidden[index])  # [sum of draft + 1, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        chosen = torch.argmax(logits, dim=-1).tolist()
         start = 0
         for i, span in zip(rows, spans, strict=True):
-            req, stop = reqs[i], start + len(span)
+            stop = start + len(span)
             if not all(finite[start:stop]):
                 out.sampled[i] = SampleFailure(NOT_FINITE)
-            elif req.sampling.greedy:
-                kept = accepted_prefix(req.draft, chosen[start:stop])
-                out.speculated[i] = req.draft[:kept] + [chosen[start + kept]]
             else:
-                out.speculated[i] = verify_sampled(logits[start:stop], req.draft, req.sampling,
-                                                   req.seed, req.num_output_tokens)
-            if i in out.speculated:
-                out.sampled[i] = out.speculated[i][0]
+                out.speculated[i] = verify_row(logits[start:stop], reqs[i])
+                out.sampled[i] = out.speculated[i].tokens[0]
             start = stop
 
     def _fill_masks(self, rows: list[ScheduledRequest]) -> Future | None:

@@ -20,7 +20,13 @@ from __future__ import annotations
 import time
 
 from engine import parallel, protocol, speculative
-from engine.batch import RunnerOutput, SampleFailure, ScheduledRequest, SchedulerOutput
+from engine.batch import (
+    RunnerOutput,
+    SampleFailure,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.slots import AdapterSlots
@@ -220,21 +226,25 @@ class Scheduler:
             # NOTE: the choices fork before the prompt's sequence takes its token: its first
             # may end it, freeing its blocks.
             children = self._fork(seq, req.fork_grammars) if forks else []
-            outputs.append(self._advance(seq, token, ran, index, now))
-            outputs += [self._advance(child, forks.sampled[k], forks, k, now)
+            outputs.append(self._advance(seq, token, now, ran.logprobs_of(index),
+                                         ran.sampled_logprob_of(index)))
+            outputs += [self._advance(child, forks.sampled[k], now, forks.logprobs_of(k),
+                                      forks.sampled_logprob_of(k))
                         for k, child in enumerate(children)]
         return [out for out in outputs if out is not None]
 
-    def _advance(self, seq: Sequence, token: int, ran: RunnerOutput, index: int,
-                 now: float) -> RequestOutput | None:
-        """Appends a sampled token (``ran``'s row ``index``); what it adds to the output."""
+    def _advance(self, seq: Sequence, token: int, now: float,
+                 token_logprobs: TokenLogprobs | None = None,
+                 sampled_logprob: float | None = None) -> RequestOutput | None:
+        """Appends a sampled token (with its logprobs where asked, and its raw logprob for a
+        choice's cumulative one); what it adds to the output."""
         if seq.status is not SequenceStatus.RUNNING:
             return None  # another choice's failure ended the request
         seq.token_ids.append(token)
         if seq.grammar is not None and not seq.grammar.accept(token):
             # NOTE: the mask allowed only tokens the grammar accepts; this is a bug.
             return self.abort(seq.request_id, None, error="the grammar refused the sampled token")
-        seq.cumulative_logprob += ran.sampled_logprob_of(index) or 0.0
+        seq.cumulative_logprob += sampled_logprob or 0.0
         if seq.first_token_at is None:
             seq.first_token_at = now
             if seq.index == 0:  # a request's first token (its first prompt's)
@@ -247,7 +257,7 @@ class Scheduler:
         # neither has logprobs (the client sees no token for them).
         text = seq.detokenizer.add_token(token) if seq.detokenizer and not stop_token else ""
         hidden = stop_token or (token in self.eos_token_ids and not seq.params.ignore_eos)
-        logprobs = None if hidden else ran.logprobs_of(index)
+        logprobs = None if hidden else token_logprobs
         reason = self._stop_reason(seq, token)
         if reason is None:
             return RequestOutput(seq.reported_id, text_delta=text, token_ids=[token],
@@ -267,7 +277,8 @@ class Scheduler:
         token = ran.sampled[index]
         if isinstance(token, SampleFailure):
             return self.abort(seq.request_id, None, error=token.reason)
-        tokens = ran.speculated[index]
+        verified = ran.speculated[index]
+        tokens = verified.tokens
         accepted = len(tokens) - 1
         # The last token and the accepted drafts are in the KV now; the rest is not.
         seq.num_computed_tokens += 1 + accepted
@@ -278,8 +289,10 @@ class Scheduler:
         began = seq.last_token_at or now
         outputs = []
         for k, token in enumerate(tokens):
-            outputs.append(self._advance(seq, token, ran, index,
-                                         began + (now - began) * (k + 1) / len(tokens)))
+            outputs.append(self._advance(
+                seq, token, began + (now - began) * (k + 1) / len(tokens),
+                verified.logprobs[k] if verified.logprobs else None,
+                verified.sampled_logprobs[k] if verified.sampled_logprobs else None))
             if seq.status is not SequenceStatus.RUNNING:
                 break
         return merge_outputs([out for out in outputs if out is not None])
@@ -412,9 +425,10 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput | None:
     last = outputs[-1]
     last.text_delta = "".join(out.text_delta for out in outputs)
     last.token_ids = [t for out in outputs for t in out.token_ids]
-    logprobs = [out.logprobs for out in outputs]
-    last.logprobs = None if any(lp is None for lp in logprobs) \
-        else [lp for group in logprobs for lp in group]
+    # NOTE: only a step's last token can lack logprobs (an EOS or stop token ends it), so
+    # the list stays aligned with token_ids, as the platform reads it.
+    logprobs = [out.logprobs for out in outputs if out.logprobs is not None]
+    last.logprobs = [lp for group in logprobs for lp in group] if logprobs else None
     return last
 
 

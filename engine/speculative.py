@@ -11,9 +11,10 @@ Proposer: n-gram prompt lookup. The longest recent suffix of the sequence (up to
 ``MAX_NGRAM`` tokens) that occurred earlier in it is looked up, and the tokens that
 followed that earlier occurrence are the draft. It needs no model, no adapter and no KV.
 
-What may speculate (``speculates``): greedy sequences whose logits nothing but the model
-shapes: no grammar, penalties, logit bias, pending min_tokens, logprobs or choices that
-fork. Others run one token a step, as always.
+What may speculate (``speculates``): greedy sequences, and sampled ones without a seed
+(verified by rejection sampling); penalties, logit bias, min_tokens and logprobs apply
+per position. Not (yet) a sequence with a grammar, nor a prompt whose choices have not
+forked. Others run one token a step, as always.
 
 Adaptive: a sequence's draft length follows its recent acceptance (``DraftLength``), and
 no sequence speculates while more than ``max_batch`` decode, where a step is bound by
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.batch import ScheduledRequest, Speculated
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,8 +67,39 @@ def speculates(params: SamplingParams, *, has_grammar: bool, forks: bool) -> boo
     sampled without a seed (by rejection sampling). NOTE: a seeded request never
     speculates: its tokens must be the same whatever shares its batch, and whether a
     sequence speculates depends on the batch."""
-    return (params.greedy or params.seed is None) and not params.shapes_logits \
-        and not has_grammar and params.logprobs is None and not forks
+    return (params.greedy or params.seed is None) and not has_grammar and not forks
+
+
+def verify_row(logits: torch.Tensor, req: ScheduledRequest) -> Speculated:
+    """What a speculating row yields from its logits [len(draft) + 1, vocab]: each
+    position's logits shaped as the sampler would shape them with the draft before it in
+    the history (penalties, bias, min_tokens), then verified greedily (the draft tokens
+    the model chooses itself, then its own choice) or by rejection sampling
+    (``verify_sampled``); with the logprobs of the raw logits where the row asked."""
+    import torch  # NOTE: here, not above: engine.config imports this module, torch-free
+
+    from engine.sampler import shape_logits, token_logprobs
+
+    params, draft = req.sampling, req.draft
+    rows = logits
+    if params.shapes_logits:
+        rows = logits.float().clone()
+        for j in range(len(draft) + 1):
+            shape_logits(rows[j], params, req.history + draft[:j], req.num_prompt_tokens)
+    if params.greedy:
+        chosen = torch.argmax(rows, dim=-1).tolist()
+        kept = accepted_prefix(draft, chosen)
+        tokens = draft[:kept] + [chosen[kept]]
+    else:
+        tokens = verify_sampled(rows, draft, params, req.seed, req.num_output_tokens)
+    out = Speculated(tokens)
+    if params.logprobs is not None:
+        out.logprobs = [token_logprobs(logits[j], t, params.logprobs)
+                        for j, t in enumerate(tokens)]
+    if req.sampled_logprob:
+        raw = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+        out.sampled_logprobs = [float(raw[j, t]) for j, t in enumerate(tokens)]
+    return out
 
 
 def accepted_prefix(draft: list[int], chosen: list[int]) -> int:

@@ -15,6 +15,7 @@ from engine.speculative import (
     accepted_prefix,
     parse_mode,
     propose_ngram,
+    verify_row,
     verify_sampled,
 )
 from tests.engine.test_llm_engine import drain, request, tokens
@@ -86,15 +87,29 @@ def test_one_grounded_request_takes_fewer_steps_for_the_same_tokens(tiny_model_d
     assert fast.kv.num_free_blocks == fast.kv.num_blocks  # rejected drafts' blocks returned
 
 
-def test_what_cannot_be_verified_by_argmax_never_speculates(tiny_model_dir, grounded):
-    shaped = [{"max_tokens": 16, "temperature": 0.8, "seed": 1},
-              {"max_tokens": 16, "logprobs": 2},
-              {"max_tokens": 16, "presence_penalty": 0.5},
-              {"max_tokens": 16, "min_tokens": 4}]
-    engine, outputs = _run(tiny_model_dir, [(grounded, s) for s in shaped],
-                           speculative="ngram", speculative_max_batch=64)
-    assert engine.metrics.spec_drafts == 0
-    assert all(outputs[f"r{i}"][-1].finished for i in range(len(shaped)))
+@pytest.mark.parametrize("sampling", [
+    {"presence_penalty": 0.4, "frequency_penalty": 0.3},
+    {"repetition_penalty": 1.02},
+    {"logit_bias": {"300": 0.05, "301": -0.05}},
+    {"min_tokens": 20},
+    {"logprobs": 2},
+], ids=["presence-frequency", "repetition", "logit-bias", "min-tokens", "logprobs"])
+def test_shaped_logits_and_logprobs_speculate_with_the_same_output(tiny_model_dir, grounded,
+                                                                     sampling):
+    """Each draft position is shaped with the draft before it in the history, so penalties,
+    bias and min_tokens act as they do one token at a time; logprobs come per token."""
+    sampling = {"max_tokens": 32, **sampling}
+    _, expected = _run(tiny_model_dir, [(grounded, sampling)])
+    engine, got = _run(tiny_model_dir, [(grounded, sampling)], speculative="ngram")
+    assert tokens(got["r0"]) == tokens(expected["r0"])
+    assert engine.metrics.spec_drafts > 0
+    if "logprobs" in sampling:
+        ours = [lp for o in got["r0"] for lp in o.logprobs or []]
+        theirs = [lp for o in expected["r0"] for lp in o.logprobs or []]
+        assert len(ours) == len(theirs) == len(tokens(got["r0"]))
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def test_choices_of_one_prompt_speculate_and_match_without(tiny_model_dir, grounded):
@@ -183,3 +198,22 @@ def test_unseeded_sampling_speculates_in_the_engine_and_seeded_does_not(tiny_mod
     seeded, _ = _run(tiny_model_dir, [(grounded, {**sampling, "seed": 4})] * 8,
                      speculative="ngram", speculative_max_batch=64)
     assert seeded.metrics.spec_drafts == 0  # its tokens must not depend on the batch
+
+
+def test_each_draft_position_is_shaped_with_the_draft_before_it():
+    """A presence penalty at draft position 1 counts draft token 0 as already output: the
+    token the model prefers by a little at both positions is kept once, not twice."""
+    import torch
+
+    from engine.batch import ScheduledRequest
+    from engine.sampling_params import SamplingParams
+
+    a, b = 7, 8
+    logits = torch.zeros(3, 16)
+    logits[:, a], logits[:, b] = 1.0, 0.5  # a over b by less than the penalty
+    params = SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=2.0)
+    history = [3, 4, 5]
+    req = ScheduledRequest(request_id="r", token_ids=[5, a, a], start_pos=2,
+                           block_table=[0], sample=True, sampling=params, history=history,
+                           num_prompt_tokens=len(history), draft=[a, a])
+    assert verify_row(logits, req).tokens == [a, b]
