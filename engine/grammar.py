@@ -94,6 +94,34 @@ class GrammarState:
         """Undoes the last ``num_tokens`` accepted tokens (speculative or preempted work)."""
         self._matcher.rollback(num_tokens)
 
+    def accepts_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts in order (a draft's part worth
+        verifying); the state is left where it was."""
+        accepted = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
+    def fill_along(self, tokens: Sequence[int]) -> FilledMasks:
+        """The allowed tokens at each position of a draft the grammar accepts: before
+        ``tokens[0]``, after it, ..., after the last ([len(tokens) + 1] rows); the state is
+        left where it was (rolled back)."""
+        bitmask = xgr.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
+        for row, token in enumerate(tokens):
+            self.fill(bitmask, row)
+            if not self._matcher.accept_token(token):
+                if row:
+                    self._matcher.rollback(row)
+                raise ValueError("a draft the grammar refuses was not cut short")
+        self.fill(bitmask, len(tokens))
+        if tokens:
+            self._matcher.rollback(len(tokens))
+        return FilledMasks(bitmask, list(range(len(tokens) + 1)))
+
     @property
     def is_terminated(self) -> bool:
         """True once the grammar is complete and a stop token was accepted."""

@@ -148,15 +148,17 @@ class Scheduler:
         """The tokens ``seq`` speculates this step (engine/speculative.py): none unless it
         may, at most ``room`` and never past its max_tokens or the context."""
         forks = seq.group is not None and seq.group.unforked(seq)
-        if not speculative.speculates(seq.params, has_grammar=seq.grammar is not None,
-                                      forks=forks):
+        if not speculative.speculates(seq.params, forks=forks):
             return []
         if seq.draft_length is None:
             seq.draft_length = speculative.DraftLength(self.speculative_tokens)
         limit = min(seq.draft_length.current, room,
                     seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-        return speculative.propose_ngram(seq.token_ids, limit)
+        draft = speculative.propose_ngram(seq.token_ids, limit)
+        if draft and seq.grammar is not None:  # only what the grammar accepts is verified
+            draft = draft[:seq.grammar.accepts_prefix(draft)]
+        return draft
 
     def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], budget: int) -> None:
         """Waiting sequences in fair order. A sequence whose adapter has no free slot is
@@ -322,7 +324,8 @@ class Scheduler:
                 sampling=seq.params, seed=seq.seed, num_output_tokens=seq.num_output_tokens,
                 adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash,
                 history=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                sampled_logprob=seq.group is not None, draft=list(seq.draft))
+                grammar=seq.grammar, sampled_logprob=seq.group is not None,
+                draft=list(seq.draft))
         fork_seeds, fork_grammars = parallel.forks_due(seq, start + n == seq.num_tokens)
         return ScheduledRequest(
             request_id=seq.request_id, token_ids=seq.token_ids[start:start + n], start_pos=start,

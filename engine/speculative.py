@@ -12,9 +12,9 @@ Proposer: n-gram prompt lookup. The longest recent suffix of the sequence (up to
 followed that earlier occurrence are the draft. It needs no model, no adapter and no KV.
 
 What may speculate (``speculates``): greedy sequences, and sampled ones without a seed
-(verified by rejection sampling); penalties, logit bias, min_tokens and logprobs apply
-per position. Not (yet) a sequence with a grammar, nor a prompt whose choices have not
-forked. Others run one token a step, as always.
+(verified by rejection sampling); penalties, logit bias, min_tokens, grammars and
+logprobs apply per position (a draft is cut where its grammar refuses a token). Not a
+prompt whose choices have not forked. Others run one token a step, as always.
 
 Adaptive: a sequence's draft length follows its recent acceptance (``DraftLength``), and
 no sequence speculates while more than ``max_batch`` decode, where a step is bound by
@@ -62,18 +62,19 @@ def propose_ngram(tokens: list[int], k: int, *, max_ngram: int = MAX_NGRAM,
     return []
 
 
-def speculates(params: SamplingParams, *, has_grammar: bool, forks: bool) -> bool:
+def speculates(params: SamplingParams, *, forks: bool) -> bool:
     """Whether a sequence's next tokens can be verified: greedy (against the argmax), or
     sampled without a seed (by rejection sampling). NOTE: a seeded request never
     speculates: its tokens must be the same whatever shares its batch, and whether a
     sequence speculates depends on the batch."""
-    return (params.greedy or params.seed is None) and not has_grammar and not forks
+    return (params.greedy or params.seed is None) and not forks
 
 
 def verify_row(logits: torch.Tensor, req: ScheduledRequest) -> Speculated:
     """What a speculating row yields from its logits [len(draft) + 1, vocab]: each
     position's logits shaped as the sampler would shape them with the draft before it in
-    the history (penalties, bias, min_tokens), then verified greedily (the draft tokens
+    the history (penalties, bias, min_tokens) and masked by the grammar after the draft
+    before it, then verified greedily (the draft tokens
     the model chooses itself, then its own choice) or by rejection sampling
     (``verify_sampled``); with the logprobs of the raw logits where the row asked."""
     import torch  # NOTE: here, not above: engine.config imports this module, torch-free
@@ -82,10 +83,17 @@ def verify_row(logits: torch.Tensor, req: ScheduledRequest) -> Speculated:
 
     params, draft = req.sampling, req.draft
     rows = logits
-    if params.shapes_logits:
+    if params.shapes_logits or req.grammar is not None:
         rows = logits.float().clone()
+    if params.shapes_logits:
         for j in range(len(draft) + 1):
             shape_logits(rows[j], params, req.history + draft[:j], req.num_prompt_tokens)
+    if req.grammar is not None:
+        from engine.grammar import apply_bitmasks  # NOTE: xgrammar loads on first use only
+
+        # The draft is one the grammar accepts (the scheduler cut it short); its state is
+        # only walked along it and back: it advances with the tokens kept, afterwards.
+        apply_bitmasks(rows, req.grammar.fill_along(draft))
     if params.greedy:
         chosen = torch.argmax(rows, dim=-1).tolist()
         kept = accepted_prefix(draft, chosen)

@@ -217,3 +217,29 @@ def test_each_draft_position_is_shaped_with_the_draft_before_it():
                            block_table=[0], sample=True, sampling=params, history=history,
                            num_prompt_tokens=len(history), draft=[a, a])
     assert verify_row(logits, req).tokens == [a, b]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_constrained_drafts_are_cut_where_the_grammar_refuses_and_stay_valid(
+        tiny_model_dir, temperature):
+    """A grammar masks every draft position; drafts end where the grammar refuses a token,
+    and its state advances only with the tokens kept. Greedy output is unchanged, every
+    sampled answer is valid JSON of its schema."""
+    import json
+
+    import jsonschema
+
+    from tests.engine.test_structured_engine import CLOSED, prompt
+
+    grammar = {"type": "json_schema", "schema": CLOSED}
+    jobs = [(prompt(seed) * 3, {"max_tokens": 120, "temperature": temperature,
+                                "grammar": grammar}) for seed in range(6)]
+    _, expected = _run(tiny_model_dir, jobs)
+    engine, got = _run(tiny_model_dir, jobs, speculative="ngram", speculative_max_batch=64)
+    assert engine.metrics.spec_accepted_tokens > 0
+    for i in range(len(jobs)):
+        answer = "".join(o.text_delta for o in got[f"r{i}"])
+        jsonschema.validate(json.loads(answer), CLOSED)
+        if temperature == 0.0:
+            assert tokens(got[f"r{i}"]) == tokens(expected[f"r{i}"])
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
