@@ -150,12 +150,12 @@ class Scheduler:
         forks = seq.group is not None and seq.group.unforked(seq)
         if not speculative.speculates(seq.params, forks=forks):
             return []
-        if seq.draft_length is None:
-            seq.draft_length = speculative.DraftLength(self.speculative_tokens)
-        limit = min(seq.draft_length.current, room,
+        if seq.drafts is None:
+            seq.drafts = speculative.SequenceDrafts(self.speculative_tokens)
+        limit = min(seq.drafts.length, room,
                     seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-        draft = speculative.propose_ngram(seq.token_ids, limit)
+        draft = seq.drafts.propose(seq.token_ids, limit)
         if draft and seq.grammar is not None:  # only what the grammar accepts is verified
             draft = draft[:seq.grammar.accepts_prefix(draft)]
         return draft
@@ -285,7 +285,7 @@ class Scheduler:
         # The last token and the accepted drafts are in the KV now; the rest is not.
         seq.num_computed_tokens += 1 + accepted
         self.kv.trim(seq, seq.num_computed_tokens + 1)
-        seq.draft_length.update(len(req.draft), accepted)
+        seq.drafts.update(len(req.draft), accepted)
         self.metrics.record_draft(len(req.draft), accepted)
         # NOTE: the tokens arrived together; the time since the last one is spread over them.
         began = seq.last_token_at or now

@@ -57,9 +57,9 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     # Speculative decoding (engine/speculative.py): the tokens proposed for the step being
-    # run (empty: none), and how long its drafts are now.
+    # run (empty: none), and its n-gram index and draft length (SequenceDrafts).
     draft: list[int] = field(default_factory=list)
-    draft_length: Any = None
+    drafts: Any = None
 
     @property
     def reported_id(self) -> str:

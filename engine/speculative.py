@@ -16,7 +16,7 @@ What may speculate (``speculates``): greedy sequences, and sampled ones without 
 logprobs apply per position (a draft is cut where its grammar refuses a token). Not a
 prompt whose choices have not forked. Others run one token a step, as always.
 
-Adaptive: a sequence's draft length follows its recent acceptance (``DraftLength``), and
+Adaptive: a sequence's draft length follows its recent acceptance (``SequenceDrafts``), and
 no sequence speculates while more than ``max_batch`` decode, where a step is bound by
 compute rather than by reading the weights, so speculation never costs throughput under
 load. Operators choose it (``ATRIUM_SPECULATIVE``); tenants cannot.
@@ -24,7 +24,6 @@ load. Operators choose it (``ATRIUM_SPECULATIVE``); tenants cannot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.batch import ScheduledRequest, Speculated
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
 
 MAX_NGRAM = 4  # the longest suffix looked up
 MIN_NGRAM = 1  # the shortest
+MAX_CANDIDATES = 64  # earlier occurrences of the last token checked, latest first
 MODES = ("off", "ngram")
 
 
@@ -44,22 +44,6 @@ def parse_mode(value: str) -> str:
     if mode not in MODES:
         raise ValueError(f"speculative decoding must be one of {', '.join(MODES)}, got {value!r}")
     return mode
-
-
-def propose_ngram(tokens: list[int], k: int, *, max_ngram: int = MAX_NGRAM,
-                  min_ngram: int = MIN_NGRAM) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
-    of ``tokens`` (``max_ngram`` down to ``min_ngram`` long) found earlier in it."""
-    if k <= 0:
-        return []
-    total = len(tokens)
-    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
-        suffix = tokens[total - n:]
-        # NOTE: the latest occurrence first: recent text predicts the next better.
-        for start in range(total - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
 
 
 def speculates(params: SamplingParams, *, forks: bool) -> bool:
@@ -119,24 +103,54 @@ def accepted_prefix(draft: list[int], chosen: list[int]) -> int:
     return a
 
 
-@dataclass(slots=True)
-class DraftLength:
-    """A sequence's draft length: grows by one after a fully accepted draft, shrinks to
-    what was accepted plus one after a rejection, between 1 and ``limit``."""
+class SequenceDrafts:
+    """One sequence's speculation: its n-gram index and its draft length.
 
-    limit: int
-    current: int = 0
+    The index maps each token to the positions it occurs at, filled as the sequence grows
+    (token_ids only ever grows, recomputation included), so a proposal checks the latest
+    ``MAX_CANDIDATES`` earlier occurrences of the last token, not the whole sequence: a
+    32k-token prompt costs no more per step than a short one.
 
-    def __post_init__(self) -> None:
-        self.current = self.current or self.limit
+    The draft length grows by one after a fully accepted draft and shrinks to what was
+    accepted plus one after a rejection, between 1 and ``limit``.
+    """
+
+    __slots__ = ("limit", "length", "_positions", "_indexed")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.length = limit
+        self._positions: dict[int, list[int]] = {}
+        self._indexed = 0  # tokens before this position are in _positions
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix of ``tokens`` (``MAX_NGRAM`` down to ``MIN_NGRAM`` tokens) found in it."""
+        last = len(tokens) - 1
+        for i in range(self._indexed, last):
+            self._positions.setdefault(tokens[i], []).append(i)
+        self._indexed = max(self._indexed, last)
+        if k <= 0 or last < 1:
+            return []
+        best_n, best_at = 0, -1
+        for at in reversed(self._positions.get(tokens[last], [])[-MAX_CANDIDATES:]):
+            n = 1
+            while n < MAX_NGRAM and at - n >= 0 and tokens[at - n] == tokens[last - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_at = n, at
+                if n == MAX_NGRAM:
+                    break
+        if best_n < MIN_NGRAM:
+            return []
+        return tokens[best_at + 1:best_at + 1 + k]
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
         if accepted == proposed:
-            self.current = min(self.limit, self.current + 1)
+            self.length = min(self.limit, self.length + 1)
         else:
-            self.current = max(1, accepted + 1)
+            self.length = max(1, accepted + 1)
 
 
 def verify_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParams, seed: int,

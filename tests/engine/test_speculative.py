@@ -6,29 +6,54 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import render_prometheus
 from engine.speculative import (
-    DraftLength,
+    MAX_NGRAM,
+    SequenceDrafts,
     accepted_prefix,
     parse_mode,
-    propose_ngram,
     verify_row,
     verify_sampled,
 )
 from tests.engine.test_llm_engine import drain, request, tokens
 
 
+def _oracle(tokens: list[int], k: int) -> list[int]:
+    """The proposal by brute force: the longest suffix (4 down to 1 tokens) found earlier,
+    its latest occurrence, what followed it."""
+    for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
 def test_the_proposer_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    def propose(tokens: list[int], k: int) -> list[int]:
+        return SequenceDrafts(4).propose(tokens, k)
+
     tokens_ = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     # "2 3" last occurred before as "2 3 7 8 ..." (the latest one), not "2 3 9".
-    assert propose_ngram(tokens_, 3) == [7, 8, 5]
-    assert propose_ngram([4, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the 3-gram wins
-    assert propose_ngram([1, 2, 3], 4) == []  # nothing repeats
-    assert propose_ngram([5, 5], 3) == [5]  # what follows, however little
-    assert propose_ngram([1, 2, 1, 2], 0) == []
+    assert propose(tokens_, 3) == [7, 8, 5]
+    assert propose([4, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # the 3-gram wins
+    assert propose([1, 2, 3], 4) == []  # nothing repeats
+    assert propose([5, 5], 3) == [5]  # what follows, however little
+    assert propose([1, 2, 1, 2], 0) == []
+
+
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1,
+                max_size=6), st.integers(1, 5))
+@settings(max_examples=200, deadline=None)
+def test_the_index_proposes_what_a_full_scan_finds_as_the_sequence_grows(chunks, k):
+    drafts, tokens_ = SequenceDrafts(4), []
+    for chunk in chunks:  # tokens arrive a few at a time, as steps append them
+        tokens_ += chunk
+        assert drafts.propose(tokens_, k) == _oracle(tokens_, k)
 
 
 def test_a_draft_keeps_its_tokens_while_the_model_chooses_them():
@@ -38,17 +63,17 @@ def test_a_draft_keeps_its_tokens_while_the_model_chooses_them():
 
 
 def test_the_draft_length_follows_acceptance():
-    length = DraftLength(limit=4)
-    assert length.current == 4
-    length.update(4, 1)
-    assert length.current == 2  # what was accepted, plus one
-    length.update(2, 2)
-    length.update(3, 3)
-    assert length.current == 4  # grows by one per full acceptance, up to the limit
-    length.update(4, 4)
-    assert length.current == 4
-    length.update(0, 0)  # nothing proposed: unchanged
-    assert length.current == 4
+    drafts = SequenceDrafts(4)
+    assert drafts.length == 4
+    drafts.update(4, 1)
+    assert drafts.length == 2  # what was accepted, plus one
+    drafts.update(2, 2)
+    drafts.update(3, 3)
+    assert drafts.length == 4  # grows by one per full acceptance, up to the limit
+    drafts.update(4, 4)
+    assert drafts.length == 4
+    drafts.update(0, 0)  # nothing proposed: unchanged
+    assert drafts.length == 4
 
 
 def test_only_operators_modes_are_accepted(tiny_model_dir):
