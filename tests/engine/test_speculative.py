@@ -3,12 +3,15 @@ and the engine with it on: the same greedy output, fewer steps, its metrics."""
 
 from __future__ import annotations
 
+import json
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import protocol
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import render_prometheus
@@ -20,6 +23,7 @@ from engine.speculative import (
     verify_row,
     verify_sampled,
 )
+from tests.engine.engine_testing import make_request, read_events, submit
 from tests.engine.test_llm_engine import drain, request, tokens
 
 
@@ -250,8 +254,6 @@ def test_constrained_drafts_are_cut_where_the_grammar_refuses_and_stay_valid(
     """A grammar masks every draft position; drafts end where the grammar refuses a token,
     and its state advances only with the tokens kept. Greedy output is unchanged, every
     sampled answer is valid JSON of its schema."""
-    import json
-
     import jsonschema
 
     from tests.engine.test_structured_engine import CLOSED, prompt
@@ -268,3 +270,35 @@ def test_constrained_drafts_are_cut_where_the_grammar_refuses_and_stay_valid(
         if temperature == 0.0:
             assert tokens(got[f"r{i}"]) == tokens(expected[f"r{i}"])
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_an_engine_worker_told_by_its_operator_speculates_and_streams_the_same(
+        start_worker, redis_client, tokenizer, grounded, monkeypatch):
+    """ATRIUM_SPECULATIVE=ngram, as `atrium engine` reads it: the request's events carry
+    the same tokens and text as without, several tokens a delta at times, and the
+    heartbeat reports the drafts."""
+    def stream(engine_id: str) -> tuple[list[protocol.Event], dict]:
+        worker = start_worker(engine_id=engine_id)
+        request = make_request(grounded, max_tokens=40, ignore_eos=True)
+        submit(redis_client, request)
+        events = read_events(redis_client, request.request_id)
+
+        deadline = time.monotonic() + 10
+        while True:  # the first heartbeat after the request's last token
+            raw = redis_client.get(protocol.engine_key(engine_id))
+            reported = json.loads(raw)["stats"].get("engine", {}) if raw else {}
+            if reported.get("generation_tokens", 0) >= 40:
+                break
+            assert time.monotonic() < deadline, "no heartbeat after the request"
+            time.sleep(0.1)
+        worker.shutdown()
+        return [e for e in events if e.type == protocol.EV_DELTA], reported
+
+    plain, _ = stream("engine-plain")
+    monkeypatch.setenv("ATRIUM_SPECULATIVE", "ngram")
+    fast, stats = stream("engine-fast")
+    ids = [t for e in fast for t in e.data["token_ids"]]
+    assert ids == [t for e in plain for t in e.data["token_ids"]]
+    assert "".join(e.data["text"] for e in fast) == tokenizer.decode(ids)
+    assert max(len(e.data["token_ids"]) for e in fast) > 1
+    assert stats["spec_decode_num_accepted_tokens"] > 0
