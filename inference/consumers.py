@@ -55,6 +55,15 @@ MAX_IN_FLIGHT = 16
 ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion"}
 
 
+class SocketGone(Exception):
+    """The client closed the socket: what was being sent has nobody to go to."""
+
+
+def _too_many() -> ApiError:
+    return ApiError(f"at most {MAX_IN_FLIGHT} requests may run at once on one socket",
+                    status=429, code="too_many_requests")
+
+
 class InferenceConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
         headers = scope_headers(self.scope)
@@ -62,6 +71,9 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self.close()  # before accept: the handshake is refused with 403
             return
         self.tasks: dict[str, asyncio.Task] = {}
+        # The requests past their checks, each holding one of the socket's MAX_IN_FLIGHT
+        # places; the others in self.tasks are still being checked (at most as many again).
+        self.admitted: set[str] = set()
         self.authorization = headers.get("authorization")
         # A caller's trace context from the handshake: each request on the socket is a
         # child of it (inference/telemetry.py).
@@ -109,6 +121,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             message = None
         try:
             await self._receive(message)
+        except SocketGone:
+            return
         except ApiError as refused:
             await self._error(socket_messages.socket_message_id(message), refused)
         except Exception:
@@ -136,12 +150,22 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         if client_id in self.tasks:
             raise InvalidRequest("a request with this id is already running on this socket",
                                  param="id", code="duplicate_id")
-        if len(self.tasks) >= MAX_IN_FLIGHT:
-            raise ApiError(f"at most {MAX_IN_FLIGHT} requests may run at once on one socket",
-                           status=429, code="too_many_requests")
+        if len(self.admitted) >= MAX_IN_FLIGHT or len(self.tasks) >= 2 * MAX_IN_FLIGHT:
+            raise _too_many()
         task = asyncio.create_task(self._run(client_id, kind, body))
         self.tasks[client_id] = task
-        task.add_done_callback(lambda _t, cid=client_id: self.tasks.pop(cid, None))
+        task.add_done_callback(lambda _t, cid=client_id: self._ended(cid))
+
+    def _ended(self, client_id: str) -> None:
+        self.tasks.pop(client_id, None)
+        self.admitted.discard(client_id)
+
+    def _take_place(self, client_id: str) -> None:
+        """A checked request takes one of the socket's places (pipeline.start's
+        before_admit): one whose model, adapter or prompt is refused never held one."""
+        if len(self.admitted) >= MAX_IN_FLIGHT:
+            raise _too_many()
+        self.admitted.add(client_id)
 
     async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
         trace: requestlog.Trace | None = None
@@ -151,22 +175,9 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             # Logged when it ends, however it ends (requestlog.py).
             trace = requestlog.Trace(principal, kind, transport="websocket", span=span)
             trace.body = body
-            started = await pipeline.start(trace)
-            # NOTE: closed when the loop ends, however it ends (a cancel lands in _send as
-            # often as in the stream): the engine is stopped, its usage learnt and the
-            # request logged before the client is told "cancelled".
-            streams = OPEN_STREAMS.labels("websocket")
-            streams.inc()
-            try:
-                async with aclosing(trace.observe(responses.stream_chunks(
-                        started.prepared, started.dispatch, started.admission))) as chunks:
-                    async for chunk in chunks:
-                        if chunk is not None:  # None: idle (a websocket needs no keep-alive)
-                            await self._send({"type": "chunk", "id": client_id,
-                                              "data": chunk})
-            finally:
-                streams.dec()
-            await self._send({"type": "done", "id": client_id})
+            started = await pipeline.start(
+                trace, before_admit=lambda: self._take_place(client_id))
+            await self._stream(client_id, trace, started)
         except ApiError as exc:
             if trace is not None:
                 trace.fail(exc)
@@ -180,6 +191,9 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             except Exception:  # noqa: BLE001 - the socket may be gone already
                 pass
             raise
+        except SocketGone:
+            if trace is not None:
+                trace.cancel()  # the client went away mid-stream: a 499, not a failure
         except Exception as exc:
             if trace is not None:
                 trace.fail(exc)
@@ -190,12 +204,37 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             if trace is not None:
                 trace.submit()
 
+    async def _stream(self, client_id: str, trace: requestlog.Trace,
+                      started: pipeline.Started) -> None:
+        """Relays the request's chunks, then "done".
+
+        NOTE: the chunks are closed when the loop ends, however it ends (a cancel lands in
+        _send as often as in the stream): the engine is stopped, its usage learnt and the
+        request logged before the client is told "cancelled"."""
+        streams = OPEN_STREAMS.labels("websocket")
+        streams.inc()
+        try:
+            async with aclosing(trace.observe(responses.stream_chunks(
+                    started.prepared, started.dispatch, started.admission))) as chunks:
+                async for chunk in chunks:
+                    if chunk is not None:  # None: idle (a websocket needs no keep-alive)
+                        await self._send({"type": "chunk", "id": client_id, "data": chunk})
+        finally:
+            streams.dec()
+        await self._send({"type": "done", "id": client_id})
+
     async def _error(self, client_id: str | None, exc: ApiError) -> None:
         message = {"type": "error", "id": client_id, "status": exc.status,
                    "error": exc.body()["error"]}
         if exc.status == 429 and exc.headers:
             message["headers"] = exc.headers
-        await self._send(message)
+        try:
+            await self._send(message)
+        except SocketGone:
+            pass  # the client left: the refusal has nobody to go to
 
     async def _send(self, message: dict[str, Any]) -> None:
-        await self.send(text_data=json.dumps(message, separators=(",", ":")))
+        try:
+            await self.send(text_data=json.dumps(message, separators=(",", ":")))
+        except OSError as exc:  # the server's "client disconnected": nobody to tell
+            raise SocketGone from exc

@@ -10,6 +10,7 @@ before it took.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
@@ -37,13 +38,17 @@ class Started:
         return {"x-request-id": self.prepared.response_id, **self.admission.headers()}
 
 
-async def start(trace: Trace) -> Started:
-    """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace."""
+async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None) -> Started:
+    """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace.
+
+    ``before_admit`` runs once the request is known to be valid, before it takes any quota:
+    an entry point's own limit (the websocket's requests per socket) refuses there, so an
+    invalid request never counts against it."""
     began = time.perf_counter()
     # The process's own limit first (relay.py): a request past it costs nothing.
     subscription = event_hub().subscribe()
     try:
-        started = await _admitted(trace, subscription)
+        started = await _admitted(trace, subscription, before_admit)
     except BaseException:
         subscription.close()
         raise
@@ -53,7 +58,8 @@ async def start(trace: Trace) -> Started:
     return started
 
 
-async def _admitted(trace: Trace, subscription: Subscription) -> Started:
+async def _admitted(trace: Trace, subscription: Subscription,
+                    before_admit: Callable[[], None] | None) -> Started:
     limits = await service.precheck(trace.principal)  # a refused caller costs no tokenizing
     try:
         # Tokenizing a long prompt is CPU work: keep it off the event loop.
@@ -65,6 +71,8 @@ async def _admitted(trace: Trace, subscription: Subscription) -> Started:
         raise
     trace.prepared = prepared
     prepared.engine_request.traceparent = telemetry.traceparent(trace.span)
+    if before_admit is not None:
+        before_admit()
     admission = await service.admit(prepared)
     try:
         dispatch = await service.open_dispatch(prepared, subscription)

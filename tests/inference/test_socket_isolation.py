@@ -88,3 +88,49 @@ def test_fifty_malformed_messages_among_sixteen_streams_leave_every_stream_whole
     # Every malformed message had exactly one answer: a 4xx naming its id where it had one.
     assert sorted(map(str, (e["id"] for e in errors))) == sorted(map(str, sent_bad))
     assert all(400 <= e["status"] < 500 and e["error"]["code"] for e in errors), errors
+
+
+def test_a_request_refused_by_its_checks_never_holds_one_of_the_sockets_places(
+        api_server, tenant_key, served_model, engine_worker):
+    """Fifteen streams running, then a request for a model the tenant cannot use and a
+    sixteenth valid one at once: the refused one gets its own error and the valid one the
+    last place; a seventeenth gets the socket's 429. Closing the socket mid-stream is the
+    client going away, not a server error."""
+    from websockets.sync.client import connect
+
+    url = api_server.replace("http://", "ws://") + "/v1/stream"
+
+    def stream(ws, cid: str) -> None:
+        ws.send(json.dumps({"type": "request", "id": cid, "endpoint": "completions",
+                            "body": {"model": served_model, "prompt": f"stream {cid}",
+                                     "max_tokens": 1500, "temperature": 0}}))
+
+    def until_answered(ws, ids: set[str]) -> dict[str, dict]:
+        """Reads until each of ``ids`` has its first message (other streams' chunks go by)."""
+        answers: dict[str, dict] = {}
+        while set(answers) != ids:
+            message = json.loads(ws.recv(timeout=60))
+            if message["id"] in ids and message["id"] not in answers:
+                answers[message["id"]] = message
+            else:
+                assert message["type"] == "chunk", message
+        return answers
+
+    with connect(url, additional_headers={"Authorization": f"Bearer {tenant_key.key}"},
+                 max_size=None) as ws:
+        for i in range(STREAMS - 1):
+            stream(ws, f"s{i}")
+        first = until_answered(ws, {f"s{i}" for i in range(STREAMS - 1)})
+        assert all(m["type"] == "chunk" for m in first.values()), first
+        ws.send(json.dumps({"type": "request", "id": "foreign", "endpoint": "completions",
+                            "body": {"model": "someone-elses:adapter", "prompt": "x"}}))
+        stream(ws, "last")
+        answers = until_answered(ws, {"foreign", "last"})
+        stream(ws, "one-too-many")
+        answers |= until_answered(ws, {"one-too-many"})
+    assert answers["foreign"]["type"] == "error"
+    assert answers["foreign"]["status"] in (400, 404), answers["foreign"]
+    assert answers["last"]["type"] == "chunk", answers["last"]
+    assert answers["one-too-many"]["type"] == "error"
+    assert answers["one-too-many"]["status"] == 429
+    assert answers["one-too-many"]["error"]["code"] == "too_many_requests"
