@@ -10,8 +10,10 @@ Two workloads on the demo checkpoint, greedy:
 Two loads: **batch 1** (one request at a time; the figure is the inter-token latency,
 the time from a request's first token to its last over the tokens between) and
 **saturation** (every request of the workload at once; the figure is output tokens per
-second). The same engine configuration runs with ``speculative="off"`` and ``"ngram"``,
-alternating rounds in one process; every figure is the median round. Every greedy output
+second). The same engine configuration runs with ``speculative="off"``, ``"ngram"`` and
+``"draft:PATH"`` (the demo's draft model: ``demo-draft``, a quarter of its width, half
+its depth, trained on the same corpus with the same tokenizer), in alternating order in
+one process; every figure is the median round. Every greedy output
 with speculation is compared with the one without.
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--requests 8] [--max-tokens 96]
@@ -33,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.workload import write_result  # noqa: E402
+
+MODES = ("off", "ngram", "draft")
 
 
 def _prompts(tokenizer, *, count: int, seed: int) -> list[list[int]]:
@@ -98,21 +102,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--model-dir", type=Path, help="a checkpoint instead of the demo model")
+    parser.add_argument("--draft-dir", type=Path,
+                        help="the draft model (default: the demo's, built: demo-draft)")
     args = parser.parse_args()
 
     import torch
     from tokenizers import Tokenizer
 
     from engine.config import EngineConfig
-    from engine.demo_model import ensure_demo_model
+    from engine.demo_model import DEMO_SEED, build_model, ensure_demo_model
     from engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or ensure_demo_model(tempfile.mkdtemp(prefix="atrium-spec-"))
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    draft_dir = args.draft_dir or build_model(
+        Path(tempfile.mkdtemp(prefix="atrium-draft-")) / "demo-draft", size="demo-draft",
+        seed=DEMO_SEED)
+    specs = {"off": "off", "ngram": "ngram", "draft": f"draft:{draft_dir}"}
     engines = {mode: LLMEngine(EngineConfig(
-        model_dir=model_dir, speculative=mode, num_speculative_tokens=args.tokens,
-        max_num_seqs=64, max_num_batched_tokens=512)) for mode in ("off", "ngram")}
+        model_dir=model_dir, speculative=spec, num_speculative_tokens=args.tokens,
+        max_num_seqs=64, max_num_batched_tokens=512)) for mode, spec in specs.items()}
     workloads = {
         "grounded": _grounded(engines["off"], _prompts(tokenizer, count=args.requests, seed=1),
                               args.max_tokens),
@@ -126,7 +136,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {}
     identical = True
     for r in range(args.rounds):
-        order = ("off", "ngram") if r % 2 == 0 else ("ngram", "off")
+        order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
         for case, prompts, alone in [("grounded_batch1", workloads["grounded"], True),
                                      ("open_batch1", workloads["open"], True),
                                      ("saturated", saturated, False)]:
@@ -136,13 +146,14 @@ def main() -> None:
                 row = {k: v for k, v in got[mode].items() if k != "outputs"}
                 runs.setdefault(case, {}).setdefault(mode, []).append(row)
                 print(case, mode, row, flush=True)
-            identical &= got["off"]["outputs"] == got["ngram"]["outputs"]
+            identical &= got["off"]["outputs"] == got["ngram"]["outputs"] \
+                == got["draft"]["outputs"]
 
     def median(case: str, mode: str, key: str) -> float:
         return statistics.median(row[key] for row in runs[case][mode])
 
-    def acceptance(case: str) -> float:
-        rows = runs[case]["ngram"]
+    def acceptance(case: str, mode: str = "ngram") -> float:
+        rows = runs[case][mode]
         return sum(r["accepted_tokens"] for r in rows) / max(1, sum(r["draft_tokens"]
                                                                     for r in rows))
 
@@ -158,12 +169,23 @@ def main() -> None:
         "acceptance_rate_open": round(acceptance("open_batch1"), 3),
         "greedy_identical": identical,
         "proposer": "ngram",
+        "draft": {
+            "itl_speedup_batch1": round(median("grounded_batch1", "off", "itl_s")
+                                        / median("grounded_batch1", "draft", "itl_s"), 3),
+            "itl_speedup_batch1_open": round(median("open_batch1", "off", "itl_s")
+                                             / median("open_batch1", "draft", "itl_s"), 3),
+            "throughput_ratio_saturated": round(
+                median("saturated", "draft", "output_tokens_per_s")
+                / median("saturated", "off", "output_tokens_per_s"), 3),
+            "acceptance_rate": round(acceptance("grounded_batch1", "draft"), 3),
+            "acceptance_rate_open": round(acceptance("open_batch1", "draft"), 3),
+            "model": str(draft_dir)},
         "itl_ms_batch1": {case: {mode: round(1000 * median(case, mode, "itl_s"), 3)
-                                 for mode in ("off", "ngram")}
+                                 for mode in MODES}
                           for case in ("grounded_batch1", "open_batch1")},
         "output_tokens_per_s_saturated": {mode: round(median("saturated", mode,
                                                              "output_tokens_per_s"), 1)
-                                          for mode in ("off", "ngram")},
+                                          for mode in MODES},
         "config": {"rounds": args.rounds, "requests": args.requests,
                    "saturation": args.saturation, "max_tokens": args.max_tokens,
                    "num_speculative_tokens": args.tokens, "speculative_max_batch": 4,

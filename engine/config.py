@@ -38,7 +38,8 @@ class EngineConfig:
     # Where to download adapters the store lacks (the platform's /internal/adapters/).
     adapter_fetch_url: str = ""
     engine_token: str = ""
-    # Speculative decoding (engine/speculative.py): "off" or "ngram"; the most draft tokens
+    # Speculative decoding (engine/speculative.py): "off", "ngram" or "draft:PATH" (a
+    # smaller checkpoint with this model's tokenizer, engine/draft_model.py); the most draft tokens
     # a sequence verifies in a step; no sequence speculates while more decode at once.
     speculative: str = "off"
     num_speculative_tokens: int = 4

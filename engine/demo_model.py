@@ -48,6 +48,10 @@ SIZES: dict[str, ModelSpec] = {
                       num_key_value_heads=2, intermediate_size=128),
     "demo": ModelSpec(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=512, train_steps=160),
+    # A draft model for the demo (speculative decoding, docs/speculative.md): built with
+    # the demo's seed it shares its tokenizer; a quarter of its width, half its depth.
+    "demo-draft": ModelSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256, train_steps=160),
 }
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
@@ -33,6 +34,8 @@ from engine.scheduler import Scheduler, usage_of
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from engine.batch import RunnerOutput, SchedulerOutput
+    from engine.draft_model import DraftModel
     from engine.grammar import Grammars
 
 log = logging.getLogger(__name__)
@@ -82,8 +85,16 @@ class LLMEngine:
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill, metrics=self.metrics,
             slots=slots, speculative_tokens=config.num_speculative_tokens
-            if config.speculative == "ngram" else 0,
+            if config.speculative != "off" else 0,
             speculative_max_batch=config.speculative_max_batch)
+        self.drafter: DraftModel | None = None
+        if config.speculative.startswith("draft:"):
+            from engine.draft_model import DraftModel
+
+            self.drafter = DraftModel(
+                config, Path(config.speculative.removeprefix("draft:")).expanduser(),
+                target=self.model_config, target_dir=config.model_dir,
+                max_model_len=self.max_model_len)
 
     # -- EngineCore -----------------------------------------------------------------------
 
@@ -206,14 +217,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled() + self._admit_loaded() + self.scheduler.expire()
+        if self.drafter is not None:
+            self.scheduler.drafted = self.drafter.propose(self.scheduler.draft_wanted())
         batch = self.scheduler.schedule()
         if not batch.requests:
+            self._settle_drafts(None, None)
             return self._settled(outputs)
         try:
             if self.adapters is not None:
                 self.adapters.fill_slots(self.runner, batch.requests)
             sampled = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
+            self._settle_drafts(None, None)
             log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
             message = f"{type(exc).__name__}: {exc}"[:500]
             # NOTE: blocks indexed for this step were never (fully) written, and a request
@@ -226,7 +241,20 @@ class LLMEngine:
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests
                               if not r.is_decode and not r.draft),
             generation_tokens=sampled.num_sampled)
-        return self._settled(outputs + self.scheduler.postprocess(batch, sampled))
+        outputs += self.scheduler.postprocess(batch, sampled)
+        self._settle_drafts(batch, sampled)
+        return self._settled(outputs)
+
+    def _settle_drafts(self, batch: SchedulerOutput | None, ran: RunnerOutput | None) -> None:
+        """The draft model's cache keeps what the target accepted and forgets ended
+        sequences."""
+        if self.drafter is None:
+            return
+        accepted = {} if batch is None else {
+            batch.requests[i].request_id: len(s.tokens) - 1 for i, s in ran.speculated.items()}
+        self.drafter.settle(self.scheduler.drafted or {}, accepted)
+        self.scheduler.drafted = None
+        self.drafter.forget(self.scheduler.sequences)
 
     # -- grammars -------------------------------------------------------------------------
 

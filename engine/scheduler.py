@@ -54,6 +54,8 @@ class Scheduler:
         # verifies in a step (0: off), and the most decodes a step may have to speculate.
         self.speculative_tokens = speculative_tokens
         self.speculative_max_batch = speculative_max_batch
+        # With a draft model: its proposals for the next step, by sequence (else n-grams).
+        self.drafted: dict[str, list[int]] | None = None
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
@@ -147,18 +149,34 @@ class Scheduler:
     def _draft(self, seq: Sequence, room: int) -> list[int]:
         """The tokens ``seq`` speculates this step (engine/speculative.py): none unless it
         may, at most ``room`` and never past its max_tokens or the context."""
-        forks = seq.group is not None and seq.group.unforked(seq)
-        if not speculative.speculates(seq.params, forks=forks):
+        limit = min(self._draft_limit(seq), room)
+        if limit <= 0:
             return []
-        if seq.drafts is None:
-            seq.drafts = speculative.SequenceDrafts(self.speculative_tokens)
-        limit = min(seq.drafts.length, room,
-                    seq.params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens - 1)
-        draft = seq.drafts.propose(seq.token_ids, limit)
+        if self.drafted is not None:  # the draft model's, proposed before this step
+            draft = self.drafted.get(seq.request_id, [])[:limit]
+        else:
+            draft = seq.drafts.propose(seq.token_ids, limit)
         if draft and seq.grammar is not None:  # only what the grammar accepts is verified
             draft = draft[:seq.grammar.accepts_prefix(draft)]
         return draft
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """How many tokens ``seq`` may speculate now (0: none)."""
+        forks = seq.group is not None and seq.group.unforked(seq)
+        if not speculative.speculates(seq.params, forks=forks):
+            return 0
+        if seq.drafts is None:
+            seq.drafts = speculative.SequenceDrafts(self.speculative_tokens)
+        return min(seq.drafts.length, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+
+    def draft_wanted(self) -> list[tuple[Sequence, int]]:
+        """The running sequences that may speculate in the next step, each with its most
+        draft tokens: what a draft model proposes for before ``schedule``."""
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        if not self.speculative_tokens or len(decoding) > self.speculative_max_batch:
+            return []
+        return [(s, k) for s in decoding if (k := self._draft_limit(s)) > 0]
 
     def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], budget: int) -> None:
         """Waiting sequences in fair order. A sequence whose adapter has no free slot is

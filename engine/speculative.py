@@ -39,10 +39,17 @@ MODES = ("off", "ngram")
 
 
 def parse_mode(value: str) -> str:
-    """``ATRIUM_SPECULATIVE``: off or ngram (ValueError otherwise)."""
-    mode = (value or "off").strip().lower()
+    """``ATRIUM_SPECULATIVE``: ``off``, ``ngram`` or ``draft:PATH`` (a draft checkpoint's
+    folder; ValueError otherwise). Returned normalised (``draft:`` and the path kept)."""
+    text = (value or "off").strip()
+    if text.lower().startswith("draft:"):
+        if not text[len("draft:"):].strip():
+            raise ValueError("draft:PATH needs the draft checkpoint's folder")
+        return "draft:" + text[len("draft:"):].strip()
+    mode = text.lower()
     if mode not in MODES:
-        raise ValueError(f"speculative decoding must be one of {', '.join(MODES)}, got {value!r}")
+        raise ValueError(f"speculative decoding must be one of {', '.join(MODES)} or "
+                         f"draft:PATH, got {value!r}")
     return mode
 
 

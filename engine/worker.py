@@ -315,7 +315,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pin-adapter", action="append", default=[], metavar="HASH",
                         help="keep this adapter in a slot from start-up (repeatable)")
     parser.add_argument("--speculative", default=env("ATRIUM_SPECULATIVE", "off"),
-                        help="speculative decoding: off or ngram (prompt lookup; "
+                        help="speculative decoding: off, ngram (prompt lookup) or "
+                             "draft:PATH (a smaller checkpoint with this model's tokenizer; "
                              "docs/speculative.md)")
     parser.add_argument("--num-speculative-tokens", type=int,
                         default=int(env("ATRIUM_SPECULATIVE_TOKENS", "4")),

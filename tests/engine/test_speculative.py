@@ -82,8 +82,11 @@ def test_the_draft_length_follows_acceptance():
 
 def test_only_operators_modes_are_accepted(tiny_model_dir):
     assert parse_mode("NGRAM") == "ngram" and parse_mode("") == "off"
+    assert parse_mode(" Draft:/models/small ") == "draft:/models/small"
     with pytest.raises(ValueError, match="one of off, ngram"):
-        parse_mode("draft:/models/small")  # not yet: the draft-model proposer
+        parse_mode("medusa")
+    with pytest.raises(ValueError, match="needs the draft checkpoint"):
+        parse_mode("draft:")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(model_dir=tiny_model_dir, speculative="ngram", num_speculative_tokens=0)
 
@@ -302,3 +305,78 @@ def test_an_engine_worker_told_by_its_operator_speculates_and_streams_the_same(
     assert "".join(e.data["text"] for e in fast) == tokenizer.decode(ids)
     assert max(len(e.data["token_ids"]) for e in fast) > 1
     assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+# --- the draft-model proposer -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny checkpoint with one layer's weights perturbed: the same tokenizer, a model
+    that agrees with the target often, not always."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft") / "tiny-draft"
+    shutil.copytree(tiny_model_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name] + 0.02 * torch.randn(tensors[name].shape, generator=gen)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_draft_model_speculates_and_greedy_output_equals_transformers(
+        tiny_model_dir, draft_dir):
+    from engine.reference import generate_reference
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 1400) for _ in range(n)] for n in (5, 17, 40, 90)]
+    expected = generate_reference(tiny_model_dir, prompts, 24)
+    engine, got = _run(tiny_model_dir, [(p, {"max_tokens": 24}) for p in prompts],
+                       speculative=f"draft:{draft_dir}", speculative_max_batch=64)
+    for i in range(len(prompts)):
+        assert tokens(got[f"r{i}"]) == expected[i], i
+    m = engine.metrics
+    assert 0 < m.spec_accepted_tokens < m.spec_draft_tokens  # agrees often, not always
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.num_blocks  # its own, too
+    assert engine.drafter.views == {}
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(tiny_model_dir, grounded):
+    _, expected = _run(tiny_model_dir, [(grounded, {"max_tokens": 30})])
+    engine, got = _run(tiny_model_dir, [(grounded, {"max_tokens": 30})],
+                       speculative=f"draft:{tiny_model_dir}")
+    assert tokens(got["r0"]) == tokens(expected["r0"])
+    m = engine.metrics
+    assert m.spec_accepted_tokens == m.spec_draft_tokens > 0
+    assert m.steps < 30  # several tokens a step
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    from engine.demo_model import build_model
+
+    other = build_model(tmp_path / "other", size="tiny", seed=9)  # another vocabulary
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        LLMEngine(EngineConfig(model_dir=tiny_model_dir, speculative=f"draft:{other}"))
+
+
+def test_a_draft_model_under_preemption_keeps_the_output(tiny_model_dir, draft_dir, prompts8):
+    options = {"num_kv_blocks": 40, "block_size": 8, "max_num_batched_tokens": 64,
+               "speculative_max_batch": 64}
+    _, expected = _run(tiny_model_dir, [(p, {"max_tokens": 24}) for p in prompts8], **options)
+    engine, got = _run(tiny_model_dir, [(p, {"max_tokens": 24}) for p in prompts8],
+                       speculative=f"draft:{draft_dir}", **options)
+    assert engine.scheduler.num_preemptions > 0
+    for i in range(len(prompts8)):
+        assert tokens(got[f"r{i}"]) == tokens(expected[f"r{i}"]), i
+    assert engine.drafter.views == {}
+
+
+@pytest.fixture(scope="module")
+def prompts8() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(10, 1400) for _ in range(n)] for n in (30, 45, 60, 33, 50, 41, 70, 25)]
