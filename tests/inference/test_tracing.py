@@ -28,9 +28,11 @@ def spans():
     tracing.use_provider(None)
 
 
-def _wait_for(exporter: InMemorySpanExporter, name: str) -> list:
+def _wait_for(exporter: InMemorySpanExporter, *names: str) -> list:
+    """The finished spans once every one of ``names`` is among them. NOTE: the web span
+    ends when the request is logged, which may come after the engine's spans."""
     deadline = time.monotonic() + 20
-    while not any(s.name == name for s in exporter.get_finished_spans()):
+    while not set(names) <= {s.name for s in exporter.get_finished_spans()}:
         assert time.monotonic() < deadline, [s.name for s in exporter.get_finished_spans()]
         time.sleep(0.05)
     return list(exporter.get_finished_spans())
@@ -45,8 +47,7 @@ def test_one_trace_holds_the_web_request_and_the_engines_work(api_server, served
         "model": served_model, "max_tokens": 4, "stream": True,
         "messages": [{"role": "user", "content": "trace me"}]})
     assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
-    finished = _wait_for(spans, "POST /v1/chat/completions")
-    finished = _wait_for(spans, "engine.request")
+    finished = _wait_for(spans, "POST /v1/chat/completions", "engine.request")
     by_name = {s.name: s for s in finished}
     web, engine = by_name["POST /v1/chat/completions"], by_name["engine.request"]
     # Everything is in the caller's trace.
@@ -71,7 +72,7 @@ def test_without_a_callers_context_the_web_span_starts_a_trace(api_server, serve
         "Authorization": f"Bearer {caller.key}", "traceparent": "not a traceparent"},
         json={"model": served_model, "max_tokens": 2, "prompt": "hi"})
     assert reply.status_code == 200
-    finished = _wait_for(spans, "engine.request")
+    finished = _wait_for(spans, "POST /v1/completions", "engine.request")
     web = next(s for s in finished if s.name == "POST /v1/completions")
     assert web.parent is None
     assert next(s for s in finished if s.name == "engine.request").context.trace_id \
