@@ -47,16 +47,16 @@ class _View:
 
 class DraftModel:
     def __init__(self, config: EngineConfig, draft_dir: Path, *, target: ModelConfig,
-                 target_dir: Path, max_model_len: int) -> None:
+                 target_dir: Path, target_blocks: int, max_model_len: int) -> None:
         draft = ModelConfig.from_dir(draft_dir)
         if draft.vocab_size != target.vocab_size or (draft_dir / "tokenizer.json").read_bytes() \
                 != (target_dir / "tokenizer.json").read_bytes():
             raise ValueError(f"the draft model at {draft_dir} does not share the target's "
                              "tokenizer and vocabulary")
-        # NOTE: its own KV pool, a quarter of the target's budget (a smaller model's blocks
-        # are smaller too).
+        # NOTE: its own KV pool of a quarter of the target's blocks (each smaller: a smaller
+        # model), counted, not sized from free memory: on a GPU the target took that.
         own = dataclasses.replace(config, model_dir=draft_dir, speculative="off",
-                                  kv_cache_bytes=max(1, config.kv_cache_bytes // 4),
+                                  num_kv_blocks=max(1, target_blocks // 4),
                                   adapter_store=None, pinned_adapters=())
         self.runner = ModelRunner(own, draft, max_model_len, enable_lora=False)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=own.block_size,
@@ -65,7 +65,17 @@ class DraftModel:
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         """Up to ``k`` greedy draft tokens for each (sequence, k); a sequence the draft
-        cache has no room for gets none."""
+        cache has no room for gets none. A failing draft model costs only the drafts."""
+        try:
+            return self._propose(wanted)
+        except Exception:  # noqa: BLE001 - speculation must never fail a request
+            log.exception("the draft model failed; these sequences do not speculate now")
+            for seq, _ in wanted:  # what its cache holds for them is in doubt
+                if (view := self.views.pop(seq.request_id, None)) is not None:
+                    self.kv.free(view)
+            return {}
+
+    def _propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
         rows: list[tuple[Sequence, _View, int]] = []
         for seq, k in wanted:
             view = self.views.setdefault(seq.request_id, _View(seq.request_id))

@@ -94,7 +94,7 @@ class LLMEngine:
             self.drafter = DraftModel(
                 config, Path(config.speculative.removeprefix("draft:")).expanduser(),
                 target=self.model_config, target_dir=config.model_dir,
-                max_model_len=self.max_model_len)
+                target_blocks=self.runner.num_blocks, max_model_len=self.max_model_len)
 
     # -- EngineCore -----------------------------------------------------------------------
 

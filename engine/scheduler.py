@@ -129,8 +129,11 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if n < seq.num_uncomputed and not self.enable_chunked_prefill:
                 continue
-            seq.draft = self._draft(seq, budget - 1) if speculate and n == 1 else []
+            seq.draft = self._draft(seq, budget - 1) \
+                if speculate and seq.num_uncomputed == 1 else []
             n += len(seq.draft)
+            if seq.draft and not self.kv.allocate_slots(seq, n):
+                n, seq.draft = n - len(seq.draft), []  # speculation never preempts anyone
             while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=lambda s: (s.priority, s.arrival))
                 self._preempt(victim)

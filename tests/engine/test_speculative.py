@@ -380,3 +380,17 @@ def test_a_draft_model_under_preemption_keeps_the_output(tiny_model_dir, draft_d
 def prompts8() -> list[list[int]]:
     rng = random.Random(4)
     return [[rng.randrange(10, 1400) for _ in range(n)] for n in (30, 45, 60, 33, 50, 41, 70, 25)]
+
+
+def test_a_failing_draft_model_costs_only_its_drafts(tiny_model_dir, draft_dir, grounded):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, speculative=f"draft:{draft_dir}"))
+
+    def broken(batch):
+        raise RuntimeError("the draft model's device fell over")
+
+    engine.drafter.runner.run = broken
+    engine.add_request(request("r0", grounded, max_tokens=12))
+    outputs = drain(engine)
+    assert len(tokens(outputs["r0"])) == 12 and outputs["r0"][-1].error is None
+    assert engine.metrics.spec_drafts == 0
+    assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.num_blocks
