@@ -394,3 +394,25 @@ def test_a_failing_draft_model_costs_only_its_drafts(tiny_model_dir, draft_dir, 
     assert len(tokens(outputs["r0"])) == 12 and outputs["r0"][-1].error is None
     assert engine.metrics.spec_drafts == 0
     assert engine.drafter.kv.num_free_blocks == engine.drafter.kv.num_blocks
+
+
+def test_a_flooding_tenant_does_not_starve_a_quiet_one_while_speculating(tiny_model_dir,
+                                                                          grounded):
+    """The fair queue decides who runs; speculation only changes how many tokens a running
+    sequence gets a step."""
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, max_num_seqs=4,
+                                    speculative="ngram"))
+    for i in range(40):
+        engine.add_request(request(f"noisy{i}", grounded, tenant="noisy", salt="n",
+                                   max_tokens=32, ignore_eos=True))
+    engine.add_request(request("quiet", grounded, tenant="quiet", salt="q", max_tokens=32,
+                               ignore_eos=True))
+    finished_before_quiet = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "quiet" and out.finished:
+                assert finished_before_quiet <= 4
+                assert engine.metrics.spec_accepted_tokens > 0
+                return
+            finished_before_quiet += out.finished
+    raise AssertionError("the quiet tenant's request never finished")
