@@ -32,6 +32,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, usage_of
 from engine.sequence import Sequence
+from engine.speculative import SpeculationGovernor
 
 if TYPE_CHECKING:
     from engine.batch import RunnerOutput, SchedulerOutput
@@ -87,6 +88,7 @@ class LLMEngine:
             slots=slots, speculative_tokens=config.num_speculative_tokens
             if config.speculative != "off" else 0,
             speculative_max_batch=config.speculative_max_batch)
+        self.governor = SpeculationGovernor() if config.speculative != "off" else None
         self.drafter: DraftModel | None = None
         if config.speculative.startswith("draft:"):
             from engine.draft_model import DraftModel
@@ -217,8 +219,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled() + self._admit_loaded() + self.scheduler.expire()
-        if self.drafter is not None:
-            self.scheduler.drafted = self.drafter.propose(self.scheduler.draft_wanted())
+        began = time.perf_counter()
+        if self.governor is not None:
+            self.scheduler.speculation_paused = not self.governor.wants_drafts()
+        if self.drafter is not None and (wanted := self.scheduler.draft_wanted()):
+            self.scheduler.drafted = self.drafter.propose(wanted)
         batch = self.scheduler.schedule()
         if not batch.requests:
             self._settle_drafts(None, None)
@@ -243,6 +248,12 @@ class LLMEngine:
             generation_tokens=sampled.num_sampled)
         outputs += self.scheduler.postprocess(batch, sampled)
         self._settle_drafts(batch, sampled)
+        rows = batch.requests
+        if self.governor is not None and len(rows) <= self.config.speculative_max_batch \
+                and all(r.is_decode or r.draft for r in rows):
+            self.governor.record(drafting=not self.scheduler.speculation_paused,
+                                 rows=len(rows), tokens=sampled.num_sampled,
+                                 seconds=time.perf_counter() - began)
         return self._settled(outputs)
 
     def _settle_drafts(self, batch: SchedulerOutput | None, ran: RunnerOutput | None) -> None:

@@ -56,6 +56,7 @@ class Scheduler:
         self.speculative_max_batch = speculative_max_batch
         # With a draft model: its proposals for the next step, by sequence (else n-grams).
         self.drafted: dict[str, list[int]] | None = None
+        self.speculation_paused = False  # set per step by the engine's SpeculationGovernor
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
@@ -119,7 +120,7 @@ class Scheduler:
         preempted = False
         # NOTE: a stable sort: decodes (one token to run) first, each group in arrival order.
         queue = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
-        speculate = self.speculative_tokens > 0 and sum(
+        speculate = self.speculative_tokens > 0 and not self.speculation_paused and sum(
             s.num_uncomputed == 1 for s in queue) <= self.speculative_max_batch
         for seq in queue:
             if budget == 0:
@@ -177,7 +178,8 @@ class Scheduler:
         """The running sequences that may speculate in the next step, each with its most
         draft tokens: what a draft model proposes for before ``schedule``."""
         decoding = [s for s in self.running if s.num_uncomputed == 1]
-        if not self.speculative_tokens or len(decoding) > self.speculative_max_batch:
+        if not self.speculative_tokens or self.speculation_paused \
+                or len(decoding) > self.speculative_max_batch:
             return []
         return [(s, k) for s in decoding if (k := self._draft_limit(s)) > 0]
 

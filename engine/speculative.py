@@ -16,10 +16,12 @@ What may speculate (``speculates``): greedy sequences, and sampled ones without 
 logprobs apply per position (a draft is cut where its grammar refuses a token). Not a
 prompt whose choices have not forked. Others run one token a step, as always.
 
-Adaptive: a sequence's draft length follows its recent acceptance (``SequenceDrafts``), and
+Adaptive: a sequence's draft length follows its recent acceptance (``SequenceDrafts``);
 no sequence speculates while more than ``max_batch`` decode, where a step is bound by
 compute rather than by reading the weights, so speculation never costs throughput under
-load. Operators choose it (``ATRIUM_SPECULATIVE``); tenants cannot.
+load; and speculation stays on only while decode steps with it yield more tokens per
+second than without (``SpeculationGovernor``). Operators choose it
+(``ATRIUM_SPECULATIVE``); tenants cannot.
 """
 
 from __future__ import annotations
@@ -158,6 +160,45 @@ class SequenceDrafts:
             self.length = min(self.limit, self.length + 1)
         else:
             self.length = max(1, accepted + 1)
+
+
+class SpeculationGovernor:
+    """Keeps speculation on only while it pays: decode steps with it must yield more tokens
+    per second per sequence than steps without it.
+
+    Both are measured as the engine runs (an exponential average each): one comparable
+    step in ``PROBE_EVERY`` runs the other way than the current choice, so a proposer
+    that costs more than it saves (a draft model whose passes cost as much as the
+    target's, a CPU verifying long drafts) is turned off, and turned on again when
+    conditions change. Comparable steps: only decodes (no prompt chunks), few enough rows
+    to speculate at all.
+    """
+
+    PROBE_EVERY = 10
+    ALPHA = 0.1
+    MIN_SAMPLES = 3  # of each way before deciding: a first step's warm-up decides nothing
+
+    def __init__(self) -> None:
+        self.on = True
+        self.rate: dict[bool, float | None] = {True: None, False: None}
+        self._samples = {True: 0, False: 0}
+        self._steps = 0
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step proposes drafts."""
+        self._steps += 1
+        return (not self.on) if self._steps % self.PROBE_EVERY == 0 else self.on
+
+    def record(self, *, drafting: bool, rows: int, tokens: int, seconds: float) -> None:
+        """A comparable step: ``rows`` decoding sequences yielded ``tokens`` in ``seconds``
+        (the draft model's proposals included)."""
+        if rows <= 0 or seconds <= 0:
+            return
+        rate, old = tokens / seconds / rows, self.rate[drafting]
+        self.rate[drafting] = rate if old is None else old + self.ALPHA * (rate - old)
+        self._samples[drafting] += 1
+        if min(self._samples.values()) >= self.MIN_SAMPLES:
+            self.on = self.rate[True] >= self.rate[False]
 
 
 def verify_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParams, seed: int,

@@ -416,3 +416,40 @@ def test_a_flooding_tenant_does_not_starve_a_quiet_one_while_speculating(tiny_mo
                 return
             finished_before_quiet += out.finished
     raise AssertionError("the quiet tenant's request never finished")
+
+
+def test_the_governor_keeps_whichever_way_yields_more_tokens_per_second():
+    from engine.speculative import SpeculationGovernor
+
+    governor = SpeculationGovernor()
+    choices = []
+    for _ in range(200):
+        drafting = governor.wants_drafts()
+        choices.append(drafting)
+        # Speculating yields 2 tokens a step but takes 3 times as long: a net loss.
+        governor.record(drafting=drafting, rows=1, tokens=2 if drafting else 1,
+                        seconds=0.03 if drafting else 0.01)
+    assert not governor.on
+    assert sum(choices[-100:]) == 10  # off, but one step in ten still tries it
+    gainful = SpeculationGovernor()
+    for _ in range(200):
+        drafting = gainful.wants_drafts()
+        gainful.record(drafting=drafting, rows=1, tokens=3 if drafting else 1, seconds=0.012)
+    assert gainful.on
+
+
+def test_a_draft_model_slower_than_it_saves_is_turned_off(tiny_model_dir, draft_dir,
+                                                          grounded, monkeypatch):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, speculative=f"draft:{draft_dir}"))
+    propose = engine.drafter.propose
+
+    def slow(wanted):
+        time.sleep(0.02)  # as if each proposal cost several passes of the target
+        return propose(wanted)
+
+    monkeypatch.setattr(engine.drafter, "propose", slow)
+    engine.add_request(request("r0", grounded, max_tokens=200, ignore_eos=True))
+    drain(engine)
+    assert not engine.governor.on
+    # Until three tries each way, it drafts; then only one step in ten tries it again.
+    assert engine.metrics.spec_drafts < engine.metrics.steps / 2
