@@ -161,36 +161,31 @@ def test_a_crashed_build_leaves_no_half_model(tiny_demo, tmp_path: Path, monkeyp
     assert list((tmp_path / "models").iterdir()) == []
 
 
-def test_racing_builds_agree_on_one_model(tiny_demo, tmp_path: Path):
+def _race(home: Path, builders: int) -> list[Path]:
+    """``ensure_demo_model(home)`` from ``builders`` threads released at once."""
     results: list[Path] = []
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(builders)
 
     def build() -> None:
         barrier.wait()
-        results.append(ensure_demo_model(tmp_path))
+        results.append(ensure_demo_model(home))
 
-    threads = [threading.Thread(target=build) for _ in range(2)]
+    threads = [threading.Thread(target=build) for _ in range(builders)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    return results
+
+
+def test_racing_builds_agree_on_one_model(tiny_demo, tmp_path: Path):
+    results = _race(tmp_path, 2)
     assert len(results) == 2 and results[0] == results[1]
     assert [p.name for p in (tmp_path / "models").iterdir()] == [results[0].name]
 
 
 def test_requests_racing_in_one_process_build_the_model_once(tiny_demo, tmp_path: Path):
-    barrier = threading.Barrier(4)
-    results: list[Path] = []
-
-    def build() -> None:
-        barrier.wait()
-        results.append(ensure_demo_model(tmp_path))
-
-    threads = [threading.Thread(target=build) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = _race(tmp_path, 4)
     assert len(results) == 4 and len(set(results)) == 1
     assert len(tiny_demo) == 1  # the others waited for it, then found the model built
 

@@ -24,7 +24,12 @@ from engine.speculative import (
     verify_sampled,
 )
 from tests.engine.engine_testing import make_request, read_events, submit
-from tests.engine.test_llm_engine import drain, request, tokens
+from tests.engine.test_llm_engine import (
+    drain,
+    finished_before_the_quiet_tenant,
+    request,
+    tokens,
+)
 
 
 def _oracle(tokens: list[int], k: int) -> list[int]:
@@ -402,20 +407,8 @@ def test_a_flooding_tenant_does_not_starve_a_quiet_one_while_speculating(tiny_mo
     sequence gets a step."""
     engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, max_num_seqs=4,
                                     speculative="ngram"))
-    for i in range(40):
-        engine.add_request(request(f"noisy{i}", grounded, tenant="noisy", salt="n",
-                                   max_tokens=32, ignore_eos=True))
-    engine.add_request(request("quiet", grounded, tenant="quiet", salt="q", max_tokens=32,
-                               ignore_eos=True))
-    finished_before_quiet = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == "quiet" and out.finished:
-                assert finished_before_quiet <= 4
-                assert engine.metrics.spec_accepted_tokens > 0
-                return
-            finished_before_quiet += out.finished
-    raise AssertionError("the quiet tenant's request never finished")
+    assert finished_before_the_quiet_tenant(engine, grounded, 32) <= 4
+    assert engine.metrics.spec_accepted_tokens > 0
 
 
 def test_the_governor_keeps_whichever_way_yields_more_tokens_per_second():
