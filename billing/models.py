@@ -4,7 +4,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from tenants.models import Plan, Tenant, TenantOwnedQuerySet
+from tenants.models import ApiKey, Plan, Tenant, TenantOwnedQuerySet
 
 
 class Price(models.Model):
@@ -48,6 +48,8 @@ class UsageRecord(models.Model):
     api_key_prefix = models.CharField(max_length=16, blank=True, default="")
     model = models.CharField(max_length=200)
     adapter = models.CharField(max_length=200, blank=True, default="")
+    # The request's ``user`` (an end user of the tenant's app): what its budgets count.
+    end_user = models.CharField(max_length=256, blank=True, default="")
     prompt_tokens = models.PositiveIntegerField()
     cached_tokens = models.PositiveIntegerField()
     completion_tokens = models.PositiveIntegerField()
@@ -281,3 +283,134 @@ class Export(models.Model):
 
     def __str__(self) -> str:
         return f"export {self.pk} ({self.kind}, {self.format})"
+
+
+class Budget(models.Model):
+    """A tenant's own limit on spend and/or tokens per UTC day or month: for the whole
+    tenant, one API key, or one end user of its app (the request's ``user``; blank: each
+    end user that has no budget of their own). Enforced by reservation at admission
+    (billing/budgets.py); alerts at 50, 80 and 100%."""
+
+    class Scope(models.TextChoices):
+        TENANT = "tenant"
+        KEY = "key"
+        USER = "user"
+
+    class Window(models.TextChoices):
+        DAY = "day"
+        MONTH = "month"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    scope = models.CharField(max_length=8, choices=Scope.choices)
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, null=True, blank=True,
+                                related_name="+")
+    end_user = models.CharField(max_length=256, blank=True, default="")
+    window = models.CharField(max_length=8, choices=Window.choices)
+    spend_limit = models.DecimalField(max_digits=14, decimal_places=2, null=True, blank=True)
+    token_limit = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "window"], condition=Q(scope="tenant"),
+                                    name="one_tenant_budget_per_window"),
+            models.UniqueConstraint(fields=["tenant", "api_key", "window"],
+                                    condition=Q(scope="key"), name="one_key_budget_per_window"),
+            models.UniqueConstraint(fields=["tenant", "end_user", "window"],
+                                    condition=Q(scope="user"),
+                                    name="one_user_budget_per_window"),
+            models.CheckConstraint(condition=Q(spend_limit__isnull=False)
+                                   | Q(token_limit__isnull=False),
+                                   name="budget_limits_something"),
+            models.CheckConstraint(condition=(Q(spend_limit__isnull=True)
+                                              | Q(spend_limit__gte=0))
+                                   & (Q(token_limit__isnull=True) | Q(token_limit__gte=0)),
+                                   name="budget_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"budget {self.pk} ({self.scope}/{self.window})"
+
+
+class BudgetAlert(models.Model):
+    """A budget's window reached 50, 80 or 100%: recorded once, then emailed and sent to
+    the tenant's webhooks."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="alerts")
+    window_label = models.CharField(max_length=10)  # YYYY-MM-DD or YYYY-MM
+    # The each-end-user budget alerts per end user: its digest here, its name below.
+    subject = models.CharField(max_length=32, blank=True, default="")
+    end_user = models.CharField(max_length=256, blank=True, default="")
+    threshold = models.PositiveSmallIntegerField()
+    spent = models.DecimalField(max_digits=20, decimal_places=6)
+    tokens = models.BigIntegerField()
+    emailed_to = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(
+            fields=["budget", "subject", "window_label", "threshold"],
+            name="one_alert_per_budget_subject_window_threshold")]
+        indexes = [models.Index(fields=["tenant", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"budget {self.budget_id} {self.window_label} at {self.threshold}%"
+
+
+class WebhookEndpoint(models.Model):
+    """Where a tenant wants its events POSTed, signed with its own secret (Standard
+    Webhooks: ``webhook-id``, ``webhook-timestamp``, ``webhook-signature``)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    url = models.URLField(max_length=2000)
+    description = models.CharField(max_length=200, blank=True, default="")
+    # NOTE: kept to sign with, so stored as given; shown once, when the endpoint is made.
+    secret = models.CharField(max_length=100)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"webhook {self.pk} → {self.url}"
+
+
+class WebhookDelivery(models.Model):
+    """One event for one endpoint, and how its delivery went: retried with backoff until
+    it is answered 2xx or runs out of attempts."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        FAILED = "failed"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE,
+                                 related_name="deliveries")
+    event_id = models.CharField(max_length=64)
+    event_type = models.CharField(max_length=64)
+    payload = models.JSONField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["endpoint", "event_id"],
+                                               name="one_delivery_per_endpoint_and_event")]
+        indexes = [models.Index(fields=["status", "next_attempt_at"]),
+                   models.Index(fields=["tenant", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} {self.event_id} → {self.endpoint_id}: {self.status}"

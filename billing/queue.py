@@ -14,8 +14,18 @@ SPEND_RECONCILE = "billing.tasks.spend_reconcile"
 INVOICES_CLOSE = "billing.tasks.invoices_close"
 EXPORT_BUILD = "billing.tasks.export_build"
 EXPORTS_EXPIRE = "billing.tasks.exports_expire"
+BUDGETS_RECONCILE = "billing.tasks.budgets_reconcile"
+BUDGET_ALERTS = "billing.tasks.budget_alerts"
+WEBHOOK_DELIVER = "billing.tasks.webhook_deliver"
+WEBHOOKS_DUE = "billing.tasks.webhooks_due"
 
 
 def export_build_enqueue(*, export_id: int) -> None:
     """Queues the build of one export's file; call it on commit."""
     current_app.send_task(EXPORT_BUILD, args=[export_id])
+
+
+def webhook_deliver_enqueue(*, delivery_id: int) -> None:
+    """Queues the first attempt at one webhook delivery; call it on commit. A lost task
+    only delays it: the beat's `webhooks_due` finds every due delivery."""
+    current_app.send_task(WEBHOOK_DELIVER, args=[delivery_id])

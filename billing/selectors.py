@@ -16,7 +16,10 @@ from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
+from billing import budgets
 from billing.models import (
+    Budget,
+    BudgetAlert,
     Export,
     Invoice,
     Price,
@@ -24,10 +27,13 @@ from billing.models import (
     UsageDeadLetter,
     UsageRecord,
     UsageRollup,
+    WebhookDelivery,
+    WebhookEndpoint,
 )
-from billing.money import allocate_cents, to_micro
+from billing.money import allocate_cents, from_micros, to_micro
 from billing.periods import day_start, period_after, period_of
 from core.errors import NotFound
+from core.redis import sync_client
 from tenants.facade import tenant_plans
 
 # --- prices --------------------------------------------------------------------------------
@@ -340,17 +346,95 @@ def plan_spend_caps() -> dict[int, Decimal | None]:
                 .values_list("plan_id", "monthly_limit"))
 
 
-def tokens_used_between(*, start: date, end: date) -> tuple[dict[int, int], dict[int, int]]:
+def tokens_used_between(*, start: date, end: date
+                        ) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
     """Prompt + completion tokens in the ledger's daily rollups for days in [start, end),
-    by tenant and by API key (what admission's monthly token counters count)."""
+    by tenant and by (tenant, API key) (what admission's monthly token counters count)."""
     rows = (UsageRollup.objects.filter(day__gte=start, day__lt=end)
             .values("tenant_id", "api_key_id")
             .annotate(tokens=Sum("prompt_tokens") + Sum("completion_tokens")))
     by_tenant: dict[int, int] = {}
-    by_key: dict[int, int] = {}
+    by_key: dict[tuple[int, int], int] = {}
     for row in rows:
         tokens = int(row["tokens"] or 0)
         by_tenant[row["tenant_id"]] = by_tenant.get(row["tenant_id"], 0) + tokens
         if row["api_key_id"]:
-            by_key[row["api_key_id"]] = by_key.get(row["api_key_id"], 0) + tokens
+            key = (row["tenant_id"], row["api_key_id"])
+            by_key[key] = by_key.get(key, 0) + tokens
     return by_tenant, by_key
+
+
+# --- budgets and webhooks ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetView:
+    """A budget and where its open window stands (None for the each-end-user budget,
+    whose windows are one per end user)."""
+
+    budget: Budget
+    window_label: str
+    resets_at: datetime
+    spent: Decimal | None
+    reserved: Decimal | None
+    tokens: int | None
+    reserved_tokens: int | None
+
+
+def budget_list(*, tenant) -> QuerySet[Budget]:
+    return Budget.objects.for_tenant(tenant).select_related("api_key").order_by("scope", "id")
+
+
+def budget_get(*, tenant, budget_id: int) -> Budget:
+    budget = budget_list(tenant=tenant).filter(pk=budget_id).first()
+    if budget is None:
+        raise NotFound(f"No budget {budget_id}.")
+    return budget
+
+
+def budget_views(budgets_: Iterable[Budget], *, now: datetime | None = None
+                 ) -> list[BudgetView]:
+    """Each budget with its open window's counters, read from Redis in one round trip."""
+    rows = list(budgets_)
+    keyed = []
+    for b in rows:
+        label, _, end = budgets.window_bounds(b.window, now)
+        subject = budgets.subject_of(b.scope, api_key_id=b.api_key_id, end_user=b.end_user)
+        key = None if subject == budgets.EACH_USER else budgets.counter_key(
+            b.tenant_id, f"{budgets.SCOPES[b.scope]}:{subject}", label)
+        keyed.append((b, label, end, key))
+    states = budgets.window_states(sync_client(), [k for *_, k in keyed if k])
+    out = []
+    for b, label, end, key in keyed:
+        state = states.get(key) if key else None
+        out.append(BudgetView(
+            budget=b, window_label=label, resets_at=end,
+            spent=None if state is None else from_micros(state.spent_micros),
+            reserved=None if state is None else from_micros(state.reserved_micros),
+            tokens=None if state is None else state.tokens,
+            reserved_tokens=None if state is None else state.reserved_tokens))
+    return out
+
+
+def budget_alert_list(*, tenant) -> QuerySet[BudgetAlert]:
+    return BudgetAlert.objects.for_tenant(tenant).order_by("-created_at", "-id")
+
+
+def webhook_endpoint_list(*, tenant) -> QuerySet[WebhookEndpoint]:
+    return WebhookEndpoint.objects.for_tenant(tenant).order_by("id")
+
+
+def webhook_endpoint_get(*, tenant, endpoint_id: int) -> WebhookEndpoint:
+    endpoint = webhook_endpoint_list(tenant=tenant).filter(pk=endpoint_id).first()
+    if endpoint is None:
+        raise NotFound(f"No webhook endpoint {endpoint_id}.")
+    return endpoint
+
+
+def webhook_delivery_list(*, tenant, endpoint_id: int | None = None
+                          ) -> QuerySet[WebhookDelivery]:
+    deliveries = WebhookDelivery.objects.for_tenant(tenant).select_related("endpoint")
+    if endpoint_id is not None:
+        deliveries = deliveries.filter(
+            endpoint=webhook_endpoint_get(tenant=tenant, endpoint_id=endpoint_id))
+    return deliveries.order_by("-created_at", "-id")

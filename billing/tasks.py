@@ -43,3 +43,26 @@ def export_build(export_id: int) -> int:
 @shared_task(name=queue.EXPORTS_EXPIRE, acks_late=True)
 def exports_expire() -> int:
     return services.exports_expire()
+
+
+@shared_task(name=queue.BUDGETS_RECONCILE, acks_late=True)
+def budgets_reconcile() -> int:
+    """Publishes every budget to Redis and raises its counters to the ledger's figures."""
+    return services.budgets_reconcile()
+
+
+@shared_task(name=queue.BUDGET_ALERTS, acks_late=True)
+def budget_alerts() -> int:
+    """Records, emails and sends to webhooks the budget thresholds crossed."""
+    return services.budget_alerts_collect()
+
+
+@shared_task(name=queue.WEBHOOK_DELIVER, acks_late=True)
+def webhook_deliver(delivery_id: int) -> str:
+    return services.webhook_deliver(delivery_id=delivery_id)
+
+
+@shared_task(name=queue.WEBHOOKS_DUE, acks_late=True)
+def webhooks_due() -> int:
+    """Retries the webhook deliveries that are due."""
+    return services.webhooks_deliver_due()

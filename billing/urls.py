@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from billing.apis import exports, invoices, prices, spend, usage
+from billing.apis import budgets, exports, invoices, prices, spend, usage
 from tenants.apis.base import endpoint
 
 app_name = "billing"
@@ -22,6 +22,16 @@ urlpatterns = [
          name="usage-record"),
     path(f"{TENANT}/spend", endpoint(spend.SpendDetailApi), name="spend"),
     path(f"{TENANT}/spend-cap", endpoint(spend.SpendCapUpdateApi), name="spend-cap"),
+    path(f"{TENANT}/budgets", endpoint(budgets.BudgetListApi, budgets.BudgetCreateApi),
+         name="budgets"),
+    path(f"{TENANT}/budgets/<int:budget_id>", endpoint(budgets.BudgetDetailApi),
+         name="budget"),
+    path(f"{TENANT}/webhooks", endpoint(budgets.WebhookListApi, budgets.WebhookCreateApi),
+         name="webhooks"),
+    path(f"{TENANT}/webhooks/<int:endpoint_id>", endpoint(budgets.WebhookDetailApi),
+         name="webhook"),
+    path(f"{TENANT}/webhooks/<int:endpoint_id>/deliveries",
+         endpoint(budgets.WebhookDeliveryListApi), name="webhook-deliveries"),
     path(f"{TENANT}/invoices", endpoint(invoices.InvoiceListApi), name="invoices"),
     path(f"{TENANT}/invoices/<int:invoice_id>", endpoint(invoices.InvoiceDetailApi),
          name="invoice"),

@@ -204,7 +204,7 @@ class EventWriter:
         report = protocol.UsageReport(
             request_id=request.request_id, tenant_id=request.tenant_id, model=request.model,
             usage=final.data.get("usage") or Usage().to_dict(), occurred_at=time.time(),
-            api_key_id=request.api_key_id, adapter=request.adapter,
+            api_key_id=request.api_key_id, adapter=request.adapter, user=request.user,
             finish_reason=final.data.get("finish_reason"), error_code=final.data.get("code"))
         batch.add("xadd", protocol.USAGE_STREAM, report.encode(),
                   maxlen=protocol.USAGE_STREAM_MAXLEN, approximate=True)

@@ -140,6 +140,8 @@ class EngineRequest:
     # of the prefix-cache scope. Set by the platform with ``adapter``.
     adapter_hash: str | None = None
     api_key_id: int | None = None  # for the usage ledger; never an access decision here
+    # The request's ``user`` (the tenant's end user), for the ledger and its budgets.
+    user: str | None = None
     priority: int = 0  # lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
     arrival: float = field(default_factory=time.time)
@@ -308,6 +310,7 @@ class UsageReport:
     finish_reason: str | None = None
     error_code: str | None = None
     version: int = PROTOCOL_VERSION
+    user: str | None = None  # the request's end user, as EngineRequest.user
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self), separators=(",", ":"))}

@@ -3,13 +3,17 @@
 `admit` runs admit.lua: requests/min and tokens/min (GCRA buckets; a request
 reserves prompt + max_tokens), concurrent requests (a sorted set of in-flight
 request ids scored by lease expiry, so a crashed web process cannot hold slots
-past its lease) and the monthly token cap. Every web process shares the same
-keys, so limits hold however many processes run. `settle` runs settle.lua
-once the request ends however it ends: it frees the slot and gives back the
-tokens reserved but not used.
+past its lease), the monthly token cap, and the budgets (billing/budgets.py: the
+request's largest possible cost is reserved in every budget window that applies).
+Every web process shares the same keys, so limits hold however many processes run.
+`settle` runs settle.lua once the request ends however it ends: it frees the slot,
+gives back the tokens reserved but not used, and turns each budget reservation into
+what the request cost.
 
-Keys (all under ``atrium:quota:{t|k}:{id}:``): ``rpm`` and ``tpm`` (string, TAT in
-unix ms), ``inflight`` (sorted set), ``tokens:{YYYY-MM}`` (integer, UTC month).
+Keys (all under ``atrium:quota:{t<tenant id>}:``, the hash tag keeping one tenant's keys
+in one Redis Cluster slot; ``t:`` the tenant's, ``k<key id>:`` a key's): ``rpm`` and
+``tpm`` (string, TAT in unix ms), ``inflight`` (sorted set), ``tokens:{YYYY-MM}``
+(integer, UTC month).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
+from billing import budgets
 from billing import spend as billing_spend  # Redis keys and values only; no Django
 from billing.money import from_micros, to_cents
 from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
@@ -40,10 +45,12 @@ _SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()
 LEASE_SLACK_S = 30
 
 REASON_CONCURRENCY, REASON_RPM, REASON_TPM, REASON_MONTH, REASON_TOO_LARGE = 1, 2, 3, 4, 5
+REASON_BUDGET_SPEND, REASON_BUDGET_TOKENS = 6, 7
 # The reasons as the metrics name them (atrium_admission_rejections_total{reason}).
 _REASONS = {REASON_CONCURRENCY: "concurrency", REASON_RPM: "requests_per_minute",
             REASON_TPM: "tokens_per_minute", REASON_MONTH: "monthly_tokens",
-            REASON_TOO_LARGE: "too_large"}
+            REASON_TOO_LARGE: "too_large", REASON_BUDGET_SPEND: "budget_spend",
+            REASON_BUDGET_TOKENS: "budget_tokens"}
 _LEVELS = {1: "tenant", 2: "key"}
 
 
@@ -51,8 +58,10 @@ _LEVELS = {1: "tenant", 2: "key"}
 MONTH_COUNTER_GRACE_MS = 7 * 86_400_000
 
 
-def quota_key(level: str, ident: int | str, name: str) -> str:
-    return f"atrium:quota:{level}:{ident}:{name}"
+def quota_key(tenant_id: int, name: str, *, api_key_id: int | None = None) -> str:
+    """A tenant's (or, given ``api_key_id``, one of its keys') admission counter."""
+    level = "t" if api_key_id is None else f"k{api_key_id}"
+    return f"atrium:quota:{{t{tenant_id}}}:{level}:{name}"
 
 
 def bucket_in_use(tat: str | bytes | None, now_ms: int, per_minute: int | None) -> int | None:
@@ -80,10 +89,10 @@ def usage_snapshot(client: redis.Redis, *, tenant_id: int, requests_per_minute: 
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
     with client.pipeline(transaction=False) as pipe:
-        pipe.get(quota_key("t", tenant_id, "rpm"))
-        pipe.get(quota_key("t", tenant_id, "tpm"))
-        pipe.zcount(quota_key("t", tenant_id, "inflight"), now_ms, "+inf")
-        pipe.get(quota_key("t", tenant_id, f"tokens:{month}"))
+        pipe.get(quota_key(tenant_id, "rpm"))
+        pipe.get(quota_key(tenant_id, "tpm"))
+        pipe.zcount(quota_key(tenant_id, "inflight"), now_ms, "+inf")
+        pipe.get(quota_key(tenant_id, f"tokens:{month}"))
         rpm_tat, tpm_tat, inflight, month_tokens = pipe.execute()
     return {"requests_per_minute": bucket_in_use(rpm_tat, now_ms, requests_per_minute),
             "tokens_per_minute": bucket_in_use(tpm_tat, now_ms, tokens_per_minute),
@@ -125,6 +134,69 @@ class RateLimitState:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetWindow:
+    """One budget window that applied to a request, as admission left it."""
+
+    slot: int  # 0..5: (tenant, key, end user) x (day, month), budgets.SLOT_NAMES
+    budget_id: int
+    spend_limit_micros: int | None
+    spend_used_micros: int  # spent + reserved, this request's reservation included
+    token_limit: int | None
+    tokens_used: int
+    resets_ms: int
+
+    @property
+    def name(self) -> str:
+        scope, window = budgets.SLOT_NAMES[self.slot]
+        return f"{scope}/{window}"
+
+    def share_left(self) -> float:
+        """The smaller of what is left of the spend and of the tokens, as a fraction."""
+        shares = [1 - used / limit if limit else 0.0
+                  for limit, used in ((self.spend_limit_micros, self.spend_used_micros),
+                                      (self.token_limit, self.tokens_used))
+                  if limit is not None]
+        return min(shares, default=1.0)
+
+
+def _budget_windows(reply: list[int], slots: budgets.Slots) -> list[BudgetWindow]:
+    out = []
+    for slot in range(6):
+        budget_id, spend, spent, tokens, used = reply[11 + slot * 5: 16 + slot * 5]
+        if budget_id:
+            out.append(BudgetWindow(slot, budget_id, None if spend < 0 else spend,
+                                    max(spent, 0), None if tokens < 0 else tokens,
+                                    max(used, 0), slots.resets_ms[slot]))
+    return out
+
+
+def money(amount_micros: int) -> str:
+    """An amount for people: exact, with at least the cents shown."""
+    text = format(from_micros(amount_micros).normalize(), "f")
+    whole, _, fraction = text.partition(".")
+    return f"{whole}.{fraction.ljust(2, '0')}"
+
+
+def budget_headers(windows: list[BudgetWindow]) -> dict[str, str]:
+    """The binding budget (least left) in ``x-budget-*`` headers (docs/billing.md)."""
+    if not windows:
+        return {}
+    binding = min(windows, key=BudgetWindow.share_left)
+    reset = datetime.fromtimestamp(binding.resets_ms / 1000, UTC)
+    out = {"x-budget-scope": binding.name,
+           "x-budget-reset": reset.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if binding.spend_limit_micros is not None:
+        out["x-budget-limit-spend"] = money(binding.spend_limit_micros)
+        out["x-budget-remaining-spend"] = money(
+            max(binding.spend_limit_micros - binding.spend_used_micros, 0))
+    if binding.token_limit is not None:
+        out["x-budget-limit-tokens"] = str(binding.token_limit)
+        out["x-budget-remaining-tokens"] = str(max(binding.token_limit - binding.tokens_used,
+                                                   0))
+    return out
+
+
 @dataclass(slots=True)
 class Admission:
     """An admitted request's hold on its quotas, released by `settle` exactly once."""
@@ -134,17 +206,19 @@ class Admission:
     reserved_tokens: int
     month: str
     state: RateLimitState
+    budget_slots: budgets.Slots | None = None
+    budget_windows: list[BudgetWindow] = field(default_factory=list)
+    end_user: str | None = None
     settled: bool = field(default=False)
 
     def headers(self) -> dict[str, str]:
-        return self.state.headers()
+        return {**self.state.headers(), **budget_headers(self.budget_windows)}
 
 
 def _level_keys(principal: Principal, month: str) -> tuple[list[str], list[str]]:
-    tenant = [quota_key("t", principal.tenant_id, n)
-              for n in ("rpm", "tpm", "inflight", f"tokens:{month}")]
-    key = [quota_key("k", principal.api_key_id, n)
-           for n in ("rpm", "tpm", "inflight", f"tokens:{month}")]
+    names = ("rpm", "tpm", "inflight", f"tokens:{month}")
+    tenant = [quota_key(principal.tenant_id, n) for n in names]
+    key = [quota_key(principal.tenant_id, n, api_key_id=principal.api_key_id) for n in names]
     return tenant, key
 
 
@@ -198,53 +272,108 @@ async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
             wait_ms / 1000)))})
 
 
+def _script_args(principal: Principal, *, request_id: str, cost: int, cost_micros: int,
+                 lease_ms: int, probe: bool, slots: budgets.Slots,
+                 end_user: str | None) -> tuple[list, list]:
+    month, month_reset_ms = month_window()
+    tenant_keys, key_keys = _level_keys(principal, month)
+    keys = [*tenant_keys, *key_keys, budgets.defs_key(principal.tenant_id),
+            budgets.alerts_key(principal.tenant_id), *slots.keys]
+    args = [request_id, cost, lease_ms, month_reset_ms, *_limit_args(principal), int(probe),
+            cost_micros, *slots.fields, *slots.user_defaults, *slots.resets_ms, end_user or ""]
+    return keys, args
+
+
 async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str,
                 prompt_tokens: int, max_tokens: int, lease_s: float,
-                spend_checked: bool = False) -> Admission:
-    """Takes the request's share of every limit or none; raises RateLimited/QuotaExceeded
-    (429, with Retry-After and the x-ratelimit-* headers) when a limit is reached.
+                spend_checked: bool = False, cost_micros: int = 0,
+                end_user: str | None = None) -> Admission:
+    """Takes the request's share of every limit and budget or none; raises RateLimited /
+    QuotaExceeded (429, with Retry-After and the x-ratelimit-* headers) when one is reached.
+    `cost_micros`: the request's largest possible cost, reserved in its budgets.
     `spend_checked`: the precheck just read the spend cap; it is not read again."""
     cost = prompt_tokens + max_tokens
     if not spend_checked:
         await spend_cap_check(client, principal)
-    month, month_reset_ms = month_window()
-    tenant_keys, key_keys = _level_keys(principal, month)
-    keys = [*tenant_keys, *key_keys]
-    args = [request_id, cost, int(lease_s * 1000), month_reset_ms, *_limit_args(principal), 0]
+    month, _ = month_window()
+    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+                          end_user=end_user)
+    keys, args = _script_args(principal, request_id=request_id, cost=cost,
+                              cost_micros=cost_micros, lease_ms=int(lease_s * 1000),
+                              probe=False, slots=slots, end_user=end_user)
     reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
-    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply
+    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply[:11]
     state = RateLimitState(rl, rr, rreset, tl, tr, treset)
+    windows = _budget_windows(reply, slots)
     if ok:
         return Admission(principal=principal, request_id=request_id, reserved_tokens=cost,
-                         month=month, state=state)
-    raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
-                   limit=failed_limit, cost=cost, state=state)
+                         month=month, state=state, budget_slots=slots,
+                         budget_windows=windows, end_user=end_user)
+    raise _refusal(principal, reason=reason, level=level, retry_ms=retry_ms,
+                   limit=failed_limit, cost=cost, state=state, windows=windows,
+                   end_user=end_user)
 
 
-async def precheck(client: aioredis.Redis, *, principal: Principal) -> RateLimitState:
+async def precheck(client: aioredis.Redis, *, principal: Principal,
+                   end_user: str | None = None) -> RateLimitState:
     """Refuses (429) at once a caller that no request could pass now (at its requests per
-    minute, concurrency, monthly tokens or spend cap), before its prompt is tokenized:
-    a refused tenant cannot make the web tier parse megabytes. Takes nothing; returns the
-    caller's rate-limit state, for the headers of an answer refused before admission."""
+    minute, concurrency, monthly tokens, spend cap or a budget with nothing left), before
+    its prompt is tokenized: a refused tenant cannot make the web tier parse megabytes.
+    Takes nothing; returns the caller's rate-limit state, for the headers of an answer
+    refused before admission."""
     await spend_cap_check(client, principal)
-    month, month_reset_ms = month_window()
-    tenant_keys, key_keys = _level_keys(principal, month)
-    keys = [*tenant_keys, *key_keys]
-    # One token: the least any request costs (max_tokens is at least 1).
-    args = ["", 1, 0, month_reset_ms, *_limit_args(principal), 1]
+    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+                          end_user=end_user)
+    # One token and one micro-unit: the least any request costs.
+    keys, args = _script_args(principal, request_id="", cost=1, cost_micros=1, lease_ms=0,
+                              probe=True, slots=slots, end_user=end_user)
     reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
-    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply
+    (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply[:11]
     state = RateLimitState(rl, rr, rreset, tl, tr, treset)
     if not ok:
-        raise _refusal(principal, reason=reason, level=_LEVELS[level], retry_ms=retry_ms,
-                       limit=failed_limit, cost=1, state=state)
+        raise _refusal(principal, reason=reason, level=level, retry_ms=retry_ms,
+                       limit=failed_limit, cost=1, state=state,
+                       windows=_budget_windows(reply, slots), end_user=end_user)
     return state
 
 
-def _refusal(principal: Principal, *, reason: int, level: str, retry_ms: int, limit: int,
-             cost: int, state: RateLimitState) -> RateLimited | QuotaExceeded:
-    ADMISSION_REJECTIONS.labels(_REASONS[reason], level).inc()
+def _budget_refusal(principal: Principal, *, reason: int, slot: int, retry_ms: int,
+                    windows: list[BudgetWindow], end_user: str | None,
+                    headers: dict[str, str]) -> QuotaExceeded:
+    scope, window = budgets.SLOT_NAMES[slot]
+    owner = {"tenant": f"tenant '{principal.tenant_slug}'",
+             "key": f"API key {principal.api_key_prefix}…",
+             "user": f"end user '{end_user}'"}[scope]
+    held = next((w for w in windows if w.slot == slot), None)
+    period = "daily" if window == "day" else "monthly"
+    if reason == REASON_BUDGET_SPEND and held is not None:
+        what = (f"{period} spend budget of {owner} ({money(held.spend_limit_micros or 0)}; "
+                f"{money(held.spend_used_micros)} spent or reserved by requests in flight, "
+                "and this request could cost more than what is left)")
+    elif held is not None:
+        what = (f"{period} token budget of {owner} ({held.token_limit} tokens; "
+                f"{held.tokens_used} used or reserved, and this request could use more "
+                "than what is left)")
+    else:
+        what = f"{period} budget of {owner}"
+    headers.update(budget_headers(windows))
+    headers["x-should-retry"] = "false"
+    headers["retry-after"] = str(max(1, math.ceil(retry_ms / 1000)))
+    return QuotaExceeded(f"You reached the {what}. It resets in {format_duration(retry_ms)}; "
+                         "a smaller max_tokens may fit.", headers=headers)
+
+
+def _refusal(principal: Principal, *, reason: int, level: int, retry_ms: int, limit: int,
+             cost: int, state: RateLimitState, windows: list[BudgetWindow],
+             end_user: str | None) -> RateLimited | QuotaExceeded:
     headers = state.headers()
+    if reason in (REASON_BUDGET_SPEND, REASON_BUDGET_TOKENS):
+        slot = level - 1
+        ADMISSION_REJECTIONS.labels(_REASONS[reason], budgets.SLOT_NAMES[slot][0]).inc()
+        return _budget_refusal(principal, reason=reason, slot=slot, retry_ms=retry_ms,
+                               windows=windows, end_user=end_user, headers=headers)
+    level = _LEVELS[level]
+    ADMISSION_REJECTIONS.labels(_REASONS[reason], level).inc()
     owner = (f"tenant '{principal.tenant_slug}'" if level == "tenant"
              else f"API key {principal.api_key_prefix}…")
     if reason == REASON_TOO_LARGE:
@@ -269,16 +398,27 @@ def _refusal(principal: Principal, *, reason: int, level: str, retry_ms: int, li
                        f"Please try again in {wait}.", type=kind, headers=headers)
 
 
-async def settle(client: aioredis.Redis, admission: Admission, *, used_tokens: int) -> bool:
-    """Frees the slot and gives back reserved-but-unused tokens; True if this call did it."""
+async def settle(client: aioredis.Redis, admission: Admission, *, used_tokens: int,
+                 cost_micros: int = 0) -> bool:
+    """Frees the slot, gives back reserved-but-unused tokens, and counts what the request
+    cost (`cost_micros`, `used_tokens`) in the budget windows it held; True if this call
+    freed the slot."""
     if admission.settled:
         return False
     principal = admission.principal
     tenant_keys, key_keys = _level_keys(principal, admission.month)
-    keys = [*tenant_keys[1:], *key_keys[1:]]
-    refund = max(0, admission.reserved_tokens - max(0, used_tokens))
+    keys = [*tenant_keys[1:], *key_keys[1:], budgets.defs_key(principal.tenant_id),
+            budgets.alerts_key(principal.tenant_id)]
+    used = max(0, used_tokens)
+    refund = max(0, admission.reserved_tokens - used)
     args = [admission.request_id, refund, principal.tenant_limits.tokens_per_minute or 0,
-            principal.key_limits.tokens_per_minute or 0]
+            principal.key_limits.tokens_per_minute or 0, max(0, cost_micros), used,
+            admission.end_user or ""]
+    slots = admission.budget_slots
+    for held in admission.budget_windows:
+        keys.append(slots.keys[held.slot])
+        user_default = slots.user_defaults[held.slot - 4] if held.slot >= 4 else ""
+        args += [slots.fields[held.slot], user_default]
     # NOTE: marked settled only once the script ran: a call that failed (Redis away) can
     # be made again, and the script refunds once however often it runs.
     done = bool(await _run(client, _SETTLE_SHA, SETTLE_LUA, keys, args))

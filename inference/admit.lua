@@ -1,17 +1,31 @@
--- Admission of one inference request against its tenant's and its key's limits, atomically.
+-- Admission of one inference request against its tenant's and its key's limits and every
+-- budget that applies to it, atomically: all are taken, or none.
 --
--- KEYS (per level L = tenant, then key): rpm_L, tpm_L, inflight_L, month_L.
+-- KEYS (per level L = tenant, then key): [1..8] rpm_L, tpm_L, inflight_L, month_L;
+--   [9] the tenant's budget definitions, [10] its budget alerts, [11..16] the budget windows
+--   (tenant, key, end user) x (day, month) (billing/budgets.py). All share the tenant's hash
+--   tag, so one Redis Cluster slot.
 -- ARGV: [1] request id, [2] tokens to reserve (prompt + max_tokens), [3] lease ms (how long
 --   an in-flight slot lives if it is never released), [4] unix ms when the month resets,
 --   [5..8] tenant limits rpm, tpm, concurrent, monthly tokens, [9..12] the key's (0: none),
 --   [13] 1 to only check (a pre-check before the prompt is tokenized: refuses what no
---   request could pass now, takes nothing).
+--   request could pass now, takes nothing), [14] the spend to reserve (micro-units: the
+--   request's largest possible cost), [15..20] each window's definition field ('' : none),
+--   [21..22] the each-end-user definitions (day, month) for windows 5 and 6, [23..28] each
+--   window's end (unix ms), [29] the request's end user ('' : none; named in alerts).
 -- Buckets are GCRA: a bucket stores its theoretical arrival time (TAT, unix ms); a limit of
 --   N per minute spends 60000/N ms of TAT per unit and admits while TAT - now <= 60000.
+-- Budgets reserve: a window holds spent (s, t) and reserved (rs, rt) spend and tokens, and
+--   one field 'h:<request id>' per reservation ("micros tokens lapses_at_ms"); a request is
+--   refused when spent + reserved + its reservation would pass a limit. Reservations whose
+--   lease lapsed (a web process died) are released when a window would refuse.
 -- Returns {admitted, reason, level, retry_ms, failed_limit,
---          req_limit, req_remaining, req_reset_ms, tok_limit, tok_remaining, tok_reset_ms}
+--          req_limit, req_remaining, req_reset_ms, tok_limit, tok_remaining, tok_reset_ms,
+--          then per window: budget id (0: none), spend limit, spend used (spent + reserved),
+--          token limit, tokens used (limits -1: none)}
 --   reason: 0 ok, 1 concurrency, 2 requests/min, 3 tokens/min, 4 monthly tokens,
---   5 the request alone is larger than the tokens/min limit; level: 1 tenant, 2 key.
+--   5 the request alone is larger than the tokens/min limit, 6 a spend budget, 7 a token
+--   budget; level: 1 tenant, 2 key (reasons 1-5), the window 1..6 (reasons 6-7).
 
 local WINDOW = 60000
 local t = redis.call('TIME')
@@ -30,6 +44,82 @@ for i = 0, 1 do
     rpm = tonumber(ARGV[a]), tpm = tonumber(ARGV[a + 1]),
     conc = tonumber(ARGV[a + 2]), cap = tonumber(ARGV[a + 3]),
   }
+end
+
+-- The budget windows with a definition for this request.
+local cost_micros = tonumber(ARGV[14])
+local budgets = {}
+local defs = redis.call('HMGET', KEYS[9], ARGV[15], ARGV[16], ARGV[17], ARGV[18], ARGV[19],
+                        ARGV[20], ARGV[21], ARGV[22])
+for i = 1, 6 do
+  local def = defs[i]
+  if not def and i >= 5 and ARGV[14 + i] ~= '' then def = defs[i + 2] end
+  if def then
+    local id, spend, tokens = string.match(def, '^(%S+) (%S+) (%S+)$')
+    budgets[#budgets + 1] = {slot = i, key = KEYS[10 + i], id = id, spend = tonumber(spend),
+                             tokens = tonumber(tokens), reset = tonumber(ARGV[22 + i])}
+  end
+end
+
+local function window_read(b)
+  local v = redis.call('HMGET', b.key, 's', 't', 'rs', 'rt')
+  b.s, b.t = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+  b.rs, b.rt = tonumber(v[3] or '0'), tonumber(v[4] or '0')
+end
+
+-- 0 when the reservation fits the window, 1 when it passes the spend limit, 2 the tokens.
+local function over(b)
+  if b.spend >= 0 and b.s + b.rs + cost_micros > b.spend then return 1 end
+  if b.tokens >= 0 and b.t + b.rt + cost > b.tokens then return 2 end
+  return 0
+end
+
+-- Releases the window's reservations whose lease lapsed: their web process is gone.
+local function sweep(b)
+  local all = redis.call('HGETALL', b.key)
+  for j = 1, #all, 2 do
+    if string.sub(all[j], 1, 2) == 'h:' then
+      local m, tk, lapses = string.match(all[j + 1], '^(%S+) (%S+) (%S+)$')
+      if tonumber(lapses) <= now then
+        redis.call('HDEL', b.key, all[j])
+        redis.call('HINCRBY', b.key, 'rs', -tonumber(m))
+        redis.call('HINCRBY', b.key, 'rt', -tonumber(tk))
+      end
+    end
+  end
+  window_read(b)
+end
+
+-- A refusal by a budget is its 100% alert, once per window (the worker sends it).
+local function exhausted(b)
+  if tonumber(redis.call('HGET', b.key, 'a') or '0') < 100 then
+    redis.call('HSET', b.key, 'a', 100)
+    redis.call('PEXPIREAT', b.key, b.reset + 7 * 86400000)
+    redis.call('SADD', KEYS[10], table.concat({b.id, b.key, 100, b.s, b.t, now, ARGV[29]},
+                                              '|'))
+  end
+end
+
+local function budget_report()
+  local out = {}
+  local by_slot = {}
+  for _, b in ipairs(budgets) do by_slot[b.slot] = b end
+  for i = 1, 6 do
+    local b = by_slot[i]
+    if b then
+      for _, v in ipairs({tonumber(b.id), b.spend, b.s + b.rs, b.tokens, b.t + b.rt}) do
+        out[#out + 1] = v
+      end
+    else
+      for _, v in ipairs({0, -1, 0, -1, 0}) do out[#out + 1] = v end
+    end
+  end
+  return out
+end
+
+local function reply(head)
+  for _, v in ipairs(budget_report()) do head[#head + 1] = v end
+  return head
 end
 
 local function tat_of(key)
@@ -81,15 +171,26 @@ for i, lv in ipairs(levels) do
     if used + cost > lv.cap then failed = {4, i, month_reset - now, lv.cap} end
   end
 end
+for _, b in ipairs(budgets) do
+  window_read(b)
+  if not failed then
+    if over(b) > 0 then sweep(b) end
+    local o = over(b)
+    if o > 0 then
+      failed = {5 + o, b.slot, b.reset - now, o == 1 and b.spend or b.tokens}
+      exhausted(b)
+    end
+  end
+end
 
 if failed then
   for _, lv in ipairs(levels) do
     if lv.rpm > 0 then report(req, lv.rpm, standing(lv.rpm, lv.rpm_tat)) end
     if lv.tpm > 0 then report(tok, lv.tpm, standing(lv.tpm, lv.tpm_tat)) end
   end
-  return {0, failed[1], failed[2], math.ceil(failed[3]), failed[4],
-          req.limit, req.remaining, math.ceil(req.reset),
-          tok.limit, tok.remaining, math.ceil(tok.reset)}
+  return reply({0, failed[1], failed[2], math.ceil(failed[3]), failed[4],
+                req.limit, req.remaining, math.ceil(req.reset),
+                tok.limit, tok.remaining, math.ceil(tok.reset)})
 end
 
 if tonumber(ARGV[13]) == 1 then
@@ -98,8 +199,8 @@ if tonumber(ARGV[13]) == 1 then
     if lv.rpm > 0 then report(req, lv.rpm, standing(lv.rpm, lv.rpm_tat)) end
     if lv.tpm > 0 then report(tok, lv.tpm, standing(lv.tpm, lv.tpm_tat)) end
   end
-  return {1, 0, 0, 0, 0, req.limit, req.remaining, math.ceil(req.reset),
-          tok.limit, tok.remaining, math.ceil(tok.reset)}
+  return reply({1, 0, 0, 0, 0, req.limit, req.remaining, math.ceil(req.reset),
+                tok.limit, tok.remaining, math.ceil(tok.reset)})
 end
 
 -- Second pass: take the request, the tokens, the slot and the month's share at every level.
@@ -122,6 +223,14 @@ for _, lv in ipairs(levels) do
   -- Kept a week past the month's end, for whoever reads it late.
   redis.call('PEXPIREAT', lv.month_key, month_reset + 7 * 86400000)
 end
+for _, b in ipairs(budgets) do
+  redis.call('HINCRBY', b.key, 'rs', cost_micros)
+  redis.call('HINCRBY', b.key, 'rt', cost)
+  redis.call('HSET', b.key, 'h:' .. request_id,
+             table.concat({cost_micros, cost, now + lease}, ' '))
+  redis.call('PEXPIREAT', b.key, b.reset + 7 * 86400000)
+  b.rs, b.rt = b.rs + cost_micros, b.rt + cost
+end
 
-return {1, 0, 0, 0, 0, req.limit, req.remaining, math.ceil(req.reset),
-        tok.limit, tok.remaining, math.ceil(tok.reset)}
+return reply({1, 0, 0, 0, 0, req.limit, req.remaining, math.ceil(req.reset),
+              tok.limit, tok.remaining, math.ceil(tok.reset)})

@@ -215,7 +215,7 @@ class CommonBody(Strict):
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: Text | None = None
+    user: Annotated[Text, Field(max_length=256)] | None = None
     store: bool | None = None
     metadata: Annotated[Any, AfterValidator(_metadata)] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -328,6 +328,7 @@ class GenerationParams:
     # Structured output, as the engine takes it: {"type": "json_object"} or
     # {"type": "json_schema", "schema": {...}}; None: free text.
     grammar: dict[str, Any] | None = None
+    user: str | None = None  # the tenant's end user: its budgets and ledger rows
 
 
 @dataclass(slots=True)
@@ -373,6 +374,7 @@ def _params(body: CommonBody, max_tokens: int | None, max_tokens_param: str,
             logprobs: int | None) -> GenerationParams:
     return GenerationParams(
         model=body.model, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
+        user=body.user or None,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         top_k=body.top_k or 0, stop=list(body.stop),

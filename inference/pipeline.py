@@ -60,7 +60,8 @@ async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None)
 
 async def _admitted(trace: Trace, subscription: Subscription,
                     before_admit: Callable[[], None] | None) -> Started:
-    limits = await service.precheck(trace.principal)  # a refused caller costs no tokenizing
+    # A refused caller costs no tokenizing.
+    limits = await service.precheck(trace.principal, trace.body)
     try:
         # Tokenizing a long prompt is CPU work: keep it off the event loop.
         prepared = await sync_to_async(service.prepare, thread_sensitive=False)(

@@ -29,6 +29,7 @@ from adapters.facade import (
     adapter_resolve,
     parse_model,
 )
+from billing import pricing
 from core.redis import async_client
 from core.served_models import ChatTemplateError, ServedModel, served_models
 from engine import protocol
@@ -68,6 +69,7 @@ class Prepared:
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
     tools: ToolRequest | None = None  # tools the model may call, and how
+    price: pricing.Quote = pricing.FREE  # what a token costs it, for its budgets
     # Completions with echo: each prompt's text, sent before each of its choices.
     echo: list[str] = field(default_factory=list)
 
@@ -229,6 +231,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         sampling=sampling_spec(params),
         tenant_id=str(principal.tenant_id),
         api_key_id=principal.api_key_id,
+        user=params.user or None,
         cache_salt=cache_salt(tenant_id=principal.tenant_id, model=model.name,
                               adapter_hash=adapter.content_hash if adapter else None),
         adapter=adapter.display_name if adapter else None,
@@ -241,9 +244,10 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         echo = [text if isinstance(text, str) else
                 model.tokenizer.decode(ids, skip_special_tokens=False)
                 for text, ids in zip(parsed.prompts, prompts, strict=True)]
+    price = pricing.quote(model.name, adapter.display_name if adapter else "")
     return Prepared(kind=kind, created=int(time.time()), model=model, adapter=adapter,
                     params=params, engine_request=engine_request, principal=principal,
-                    tools=tools, echo=echo)
+                    tools=tools, echo=echo, price=price)
 
 
 def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
@@ -272,23 +276,35 @@ def _check_token_controls(params: p.GenerationParams, model: ServedModel) -> Non
                              param="min_tokens", code="invalid_value")
 
 
-async def precheck(principal: Principal) -> quota.RateLimitState:
+def end_user_of(body: Any) -> str | None:
+    """The body's ``user``, read before the body is validated (the precheck's budgets);
+    admission uses the validated one."""
+    user = body.get("user") if isinstance(body, dict) else None
+    return user if isinstance(user, str) and user else None
+
+
+async def precheck(principal: Principal, body: Any = None) -> quota.RateLimitState:
     """429 now for a caller at a limit no request could pass, before any parsing; else the
     caller's rate-limit state."""
-    return await quota.precheck(async_client(), principal=principal)
+    return await quota.precheck(async_client(), principal=principal,
+                                end_user=end_user_of(body))
 
 
 async def admit(prepared: Prepared) -> quota.Admission:
-    """Takes the request's share of its quotas; raises RateLimited / QuotaExceeded (429)."""
+    """Takes the request's share of its quotas and budgets; raises RateLimited /
+    QuotaExceeded (429)."""
     request = prepared.engine_request
+    prompt_tokens = len(request.prompt_token_ids) + sum(map(len, request.extra_prompts))
+    # NOTE: every choice generated (best_of of them) may run to max_tokens.
+    max_tokens = request.sampling.max_tokens * prepared.params.best_of * prepared.num_prompts
     admission = await quota.admit(
         async_client(), principal=prepared.principal, request_id=request.request_id,
-        # NOTE: every choice generated (best_of of them) may run to max_tokens.
-        prompt_tokens=len(request.prompt_token_ids) + sum(map(len, request.extra_prompts)),
-        max_tokens=request.sampling.max_tokens * prepared.params.best_of
-        * prepared.num_prompts,
+        prompt_tokens=prompt_tokens, max_tokens=max_tokens,
         lease_s=settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S,
-        spend_checked=True)  # by precheck(), which every caller runs first
+        spend_checked=True,  # by precheck(), which every caller runs first
+        cost_micros=prepared.price.max_cost_micros(prompt_tokens=prompt_tokens,
+                                                   completion_tokens=max_tokens),
+        end_user=prepared.params.user or None)
     return admission
 
 
@@ -300,6 +316,16 @@ def used_tokens(dispatch: Dispatch | None) -> int:
     return usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+def used_micros(prepared: Prepared, dispatch: Dispatch | None) -> int:
+    """What the request cost, as the ledger will price it from the same usage."""
+    if dispatch is None:
+        return 0
+    usage = dispatch.counted_usage()
+    return prepared.price.cost_micros(prompt_tokens=usage["prompt_tokens"],
+                                      cached_tokens=usage["cached_tokens"],
+                                      completion_tokens=usage["completion_tokens"])
+
+
 async def release(prepared: Prepared, admission: quota.Admission | None,
                   dispatch: Dispatch | None) -> None:
     """Settles the admission (once); never raises. Redis out of reach: retried in the
@@ -307,9 +333,9 @@ async def release(prepared: Prepared, admission: quota.Admission | None,
     expires with its lease)."""
     if admission is None or admission.settled:
         return
-    used = used_tokens(dispatch)
+    used, cost = used_tokens(dispatch), used_micros(prepared, dispatch)
     settling = asyncio.ensure_future(quota.settle(async_client(), admission,
-                                                  used_tokens=used))
+                                                  used_tokens=used, cost_micros=cost))
     try:
         # NOTE: shielded: a request cancelled by a disconnect still gives its quota back.
         await asyncio.shield(settling)
@@ -318,7 +344,7 @@ async def release(prepared: Prepared, admission: quota.Admission | None,
     except Exception as exc:  # noqa: BLE001
         log.warning("could not settle request %s; retrying until Redis answers",
                     admission.request_id, exc_info=not isinstance(exc, ServiceUnavailable))
-        retry = asyncio.ensure_future(_settle_later(admission, used))
+        retry = asyncio.ensure_future(_settle_later(admission, used, cost))
         _settling_later.add(retry)
         retry.add_done_callback(_settling_later.discard)
 
@@ -327,13 +353,13 @@ _settling_later: set[asyncio.Future] = set()
 SETTLE_RETRY_MAX_S = 5.0
 
 
-async def _settle_later(admission: quota.Admission, used: int) -> None:
+async def _settle_later(admission: quota.Admission, used: int, cost: int) -> None:
     give_up = time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S + quota.LEASE_SLACK_S
     delay = 0.25
     while time.time() < give_up:
         await asyncio.sleep(delay)
         try:
-            await quota.settle(async_client(), admission, used_tokens=used)
+            await quota.settle(async_client(), admission, used_tokens=used, cost_micros=cost)
             return
         except Exception:  # noqa: BLE001 - still out of reach: wait longer
             delay = min(delay * 2, SETTLE_RETRY_MAX_S)

@@ -45,11 +45,19 @@ def quota_reconcile() -> int:
     by_tenant, by_key = tokens_used_between(start=start, end=end)
     script = sync_client().register_script(_AT_LEAST)
     expire_at = reset_ms + quota.MONTH_COUNTER_GRACE_MS
-    targets = [(quota.quota_key(level, ident, f"tokens:{month}"), tokens)
-               for level, totals in (("t", by_tenant), ("k", by_key))
-               for ident, tokens in totals.items()]
+    name = f"tokens:{month}"
+    # NOTE: one call per tenant: a tenant's keys share its Cluster slot, other tenants' not.
+    by_tenant_keys: dict[int, list[tuple[str, int]]] = {}
+    for tenant_id, tokens in by_tenant.items():
+        by_tenant_keys.setdefault(tenant_id, []).append((quota.quota_key(tenant_id, name),
+                                                         tokens))
+    for (tenant_id, key_id), tokens in by_key.items():
+        by_tenant_keys.setdefault(tenant_id, []).append(
+            (quota.quota_key(tenant_id, name, api_key_id=key_id), tokens))
     raised = 0
-    for i in range(0, len(targets), RECONCILE_BATCH):
-        batch = targets[i:i + RECONCILE_BATCH]
-        raised += script(keys=[k for k, _ in batch], args=[expire_at, *(t for _, t in batch)])
+    for targets in by_tenant_keys.values():
+        for i in range(0, len(targets), RECONCILE_BATCH):
+            batch = targets[i:i + RECONCILE_BATCH]
+            raised += script(keys=[k for k, _ in batch],
+                             args=[expire_at, *(t for _, t in batch)])
     return raised

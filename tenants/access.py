@@ -85,6 +85,12 @@ RULES: dict[str, Rule] = {
     "billing.read": Rule(_PAYERS, Scope.BILLING, staff=True),
     "billing.export": Rule(_PAYERS, Scope.BILLING, staff=True),
     "spend_cap.update": Rule(_NOBODY, None, staff=True),
+    # Budgets and webhooks (docs/billing.md#budgets): read by those who pay and by billing
+    # keys; changed only by people, so a leaked key cannot lift its own budget.
+    "budget.read": Rule(_PAYERS, Scope.BILLING, staff=True),
+    "budget.manage": Rule(_PAYERS, None, staff=True),
+    "webhook.read": Rule(_PAYERS, Scope.BILLING, staff=True),
+    "webhook.manage": Rule(_MANAGERS, None, staff=True),
 }
 
 # Scopes a role may put on a key it creates; a key may grant only scopes it has.

@@ -6,7 +6,8 @@ key's use. Other apps' services audit their
 changes to a tenant's settings through `audit_record`. Billing checks the tenants
 its usage reports name (`tenant_ids_existing`), labels ledger rows with key
 prefixes (`api_key_prefixes`) and its metrics with slugs (`tenant_slugs`), and finds
-each tenant's plan (`tenant_plans`).
+each tenant's plan (`tenant_plans`); its budgets check a key is the tenant's
+(`api_key_belongs`) and email alerts to those who pay (`tenant_payer_emails`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from collections.abc import Iterable
 
 from tenants.access import Actor
 from tenants.authentication import aauthenticate, authenticate, is_bearer
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Membership, Role, Tenant
 from tenants.principals import Limits, Principal
 from tenants.selectors import principal_from_api_key
 from tenants.services import audit_record
 
 __all__ = [
-    "Actor", "Limits", "Principal", "aauthenticate", "api_key_prefixes", "audit_record",
-    "authenticate", "is_bearer", "principal_from_api_key",
-    "tenant_ids_existing", "tenant_plans", "tenant_slugs",
+    "Actor", "Limits", "Principal", "aauthenticate", "api_key_belongs", "api_key_prefixes",
+    "audit_record", "authenticate", "is_bearer", "principal_from_api_key",
+    "tenant_ids_existing", "tenant_payer_emails", "tenant_plans", "tenant_slugs",
 ]
 
 
@@ -47,3 +48,16 @@ def tenant_plans(tenant_ids: Iterable[int] | None = None) -> dict[int, int]:
 def api_key_prefixes(ids: Iterable[int]) -> dict[int, str]:
     """The prefix of each key among `ids` (any tenant's: for labelling, never for access)."""
     return dict(ApiKey.objects.filter(pk__in=set(ids)).values_list("pk", "prefix"))
+
+
+def api_key_belongs(*, tenant_id: int, api_key_id: int) -> bool:
+    """Whether the key is one of the tenant's (revoked or not)."""
+    return ApiKey.objects.filter(tenant_id=tenant_id, pk=api_key_id).exists()
+
+
+def tenant_payer_emails(tenant_id: int) -> list[str]:
+    """The email addresses of the tenant's members who see its money (owners, admins,
+    billing): whom budget alerts go to."""
+    return sorted({email for email in Membership.objects.filter(
+        tenant_id=tenant_id, role__in=[Role.OWNER, Role.ADMIN, Role.BILLING],
+        user__is_active=True).values_list("user__email", flat=True) if email})

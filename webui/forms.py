@@ -10,6 +10,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 
 from billing.models import Export
 from tenants.models import QUOTA_FIELDS, Role, Scope
+from tenants.selectors import api_key_list
 
 SCOPE_HELP = {
     Scope.INFERENCE: "call models (/v1)",
@@ -258,3 +259,37 @@ class PriceForm(forms.Form):
     effective_from = forms.DateTimeField(required=False, label="From (UTC; empty: now)",
                                          widget=forms.DateTimeInput(
                                              attrs={"type": "datetime-local"}))
+
+
+class BudgetForm(forms.Form):
+    scope = forms.ChoiceField(choices=[("tenant", "The whole tenant"), ("key", "One API key"),
+                                       ("user", "End users (the request's user)")],
+                              label="Applies to")
+    api_key_id = forms.TypedChoiceField(coerce=int, required=False, empty_value=None,
+                                        label="API key (key budgets)")
+    end_user = forms.CharField(max_length=256, required=False, label="End user (blank: each)")
+    window = forms.ChoiceField(choices=[("day", "per UTC day"), ("month", "per UTC month")],
+                               label="Window")
+    spend_limit = forms.DecimalField(max_digits=14, decimal_places=2, min_value=0,
+                                     required=False, label="Spend limit")
+    token_limit = forms.IntegerField(min_value=0, required=False, label="Token limit")
+
+    def __init__(self, *args: Any, tenant, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["api_key_id"].choices = [("", "—")] + [
+            (k.pk, f"{k.name} ({k.prefix}…)") for k in api_key_list(tenant=tenant)]
+
+    def budget(self) -> dict[str, Any]:
+        data = self.cleaned_data
+        out = {"scope": data["scope"], "window": data["window"],
+               "spend_limit": data.get("spend_limit"), "token_limit": data.get("token_limit")}
+        if data["scope"] == "key":
+            out["api_key_id"] = data.get("api_key_id")
+        if data["scope"] == "user":
+            out["end_user"] = data.get("end_user") or ""
+        return out
+
+
+class WebhookForm(forms.Form):
+    url = forms.URLField(max_length=2000, label="Endpoint URL", assume_scheme="https")
+    description = forms.CharField(max_length=200, required=False, label="Description")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from webui.views import operator, tenant
+from webui.views import budgets, operator, tenant
 
 app_name = "webui"
 
@@ -29,6 +29,12 @@ urlpatterns = [
     path(f"{T}/billing/exports", tenant.export_create, name="export-create"),
     path(f"{T}/billing/exports/<int:export_id>/download", tenant.export_download,
          name="export-download"),
+    path(f"{T}/budgets", budgets.budgets, name="budgets"),
+    path(f"{T}/budgets/new", budgets.budget_create, name="budget-create"),
+    path(f"{T}/budgets/<int:budget_id>/delete", budgets.budget_delete, name="budget-delete"),
+    path(f"{T}/webhooks/new", budgets.webhook_create, name="webhook-create"),
+    path(f"{T}/webhooks/<int:endpoint_id>/delete", budgets.webhook_delete,
+         name="webhook-delete"),
     path(f"{T}/adapters", tenant.adapters, name="adapters"),
     path(f"{T}/adapters/<int:adapter_id>/delete", tenant.adapter_delete, name="adapter-delete"),
     path(f"{T}/logs", tenant.logs, name="logs"),

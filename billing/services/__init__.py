@@ -7,6 +7,14 @@ first) and scope everything tenant-owned by the tenant they are given.
 
 from __future__ import annotations
 
+from billing.services.budgets import (
+    budget_alerts_collect,
+    budget_create,
+    budget_delete,
+    budget_update,
+    budgets_publish,
+    budgets_reconcile,
+)
 from billing.services.exports import export_build, export_create, exports_expire
 from billing.services.invoices import (
     invoice_finalize,
@@ -28,9 +36,19 @@ from billing.services.spending import (
     spend_reconcile,
     tenant_spend_cap_update,
 )
+from billing.services.webhooks import (
+    webhook_deliver,
+    webhook_endpoint_create,
+    webhook_endpoint_delete,
+    webhook_event_emit,
+    webhooks_deliver_due,
+)
 
 __all__ = [
-    "PriceBackdated", "RefusedUsage", "UsageEvent", "export_build", "export_create",
+    "PriceBackdated", "RefusedUsage", "UsageEvent", "budget_alerts_collect", "budget_create",
+    "budget_delete", "budget_update", "budgets_publish", "budgets_reconcile",
+    "webhook_deliver", "webhook_endpoint_create", "webhook_endpoint_delete",
+    "webhook_event_emit", "webhooks_deliver_due", "export_build", "export_create",
     "exports_expire", "invoice_finalize", "invoice_number", "invoices_close", "invoices_open",
     "plan_spend_cap_update", "price_create", "spend_caps_publish",
     "spend_reconcile", "tenant_spend_cap_update", "usage_dead_letters_record",

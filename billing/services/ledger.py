@@ -42,6 +42,7 @@ class UsageEvent:
     api_key_id: int | None = None
     api_key_prefix: str = ""
     adapter: str = ""
+    end_user: str = ""  # the request's ``user``, for the end users' budgets
     finish_reason: str = ""
     queue_ms: int | None = None
     ttft_ms: int | None = None
@@ -78,6 +79,8 @@ class UsageEvent:
             raise ValueError("a model or adapter name has at most 200 characters")
         if len(self.finish_reason) > 32 or len(self.api_key_prefix) > 16:
             raise ValueError("finish reason or key prefix too long")
+        if len(self.end_user) > 256:
+            raise ValueError("an end user has at most 256 characters")
 
 def _costed(event: UsageEvent, prices: PriceIndex, period: date) -> UsageRecord:
     base = prices.at(event.model, "", event.occurred_at)
@@ -92,7 +95,8 @@ def _costed(event: UsageEvent, prices: PriceIndex, period: date) -> UsageRecord:
     return UsageRecord(
         request_id=event.request_id, tenant_id=event.tenant_id, api_key_id=event.api_key_id,
         api_key_prefix=event.api_key_prefix, model=event.model, adapter=event.adapter,
-        prompt_tokens=event.prompt_tokens, cached_tokens=event.cached_tokens,
+        end_user=event.end_user, prompt_tokens=event.prompt_tokens,
+        cached_tokens=event.cached_tokens,
         completion_tokens=event.completion_tokens, finish_reason=event.finish_reason,
         queue_ms=event.queue_ms, ttft_ms=event.ttft_ms, total_ms=event.total_ms,
         occurred_at=event.occurred_at, billing_period=period,

@@ -215,6 +215,28 @@ ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
 STORAGES["billing-exports"] = {"BACKEND": "django.core.files.storage.FileSystemStorage",
                                "OPTIONS": {"location": str(ATRIUM_EXPORT_DIR)}}
 
+# Budget alerts (docs/billing.md#budgets): email through Django's email backend (the
+# console backend, which prints them, unless an SMTP host is named), and webhooks: each
+# attempt's timeout, how many attempts, the first retry's delay (doubling after), and
+# whether endpoints may be on loopback or private networks (off: tenants cannot reach the
+# operator's own network through Atrium).
+ATRIUM_EMAIL_HOST = os.environ.get("ATRIUM_EMAIL_HOST", "").strip()
+if ATRIUM_EMAIL_HOST:
+    EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    EMAIL_HOST = ATRIUM_EMAIL_HOST
+    EMAIL_PORT = int(os.environ.get("ATRIUM_EMAIL_PORT", "587"))
+    EMAIL_HOST_USER = os.environ.get("ATRIUM_EMAIL_USER", "")
+    EMAIL_HOST_PASSWORD = os.environ.get("ATRIUM_EMAIL_PASSWORD", "")
+    EMAIL_USE_TLS = os.environ.get("ATRIUM_EMAIL_TLS", "1") not in ("0", "false", "")
+else:
+    EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+DEFAULT_FROM_EMAIL = os.environ.get("ATRIUM_EMAIL_FROM", "atrium@localhost")
+ATRIUM_WEBHOOK_TIMEOUT_S = float(os.environ.get("ATRIUM_WEBHOOK_TIMEOUT_S", "10"))
+ATRIUM_WEBHOOK_MAX_ATTEMPTS = int(os.environ.get("ATRIUM_WEBHOOK_MAX_ATTEMPTS", "8"))
+ATRIUM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("ATRIUM_WEBHOOK_RETRY_BASE_S", "10"))
+ATRIUM_WEBHOOK_ALLOW_PRIVATE = os.environ.get("ATRIUM_WEBHOOK_ALLOW_PRIVATE", "") not in (
+    "", "0", "false")
+
 # The console's service-health page (docs/observability.md): the Prometheus that scrapes
 # the fleet (unset: the processes' own figures), and what one engine costs an hour, in
 # the billing currency, to put a cost on a million tokens (unset: not shown).
@@ -247,6 +269,9 @@ CELERY_BEAT_SCHEDULE = {
     "quota-reconcile": {"task": "inference.tasks.quota_reconcile", "schedule": 60.0},
     "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
     "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
+    "budgets-reconcile": {"task": "billing.tasks.budgets_reconcile", "schedule": 60.0},
+    "budget-alerts": {"task": "billing.tasks.budget_alerts", "schedule": 10.0},
+    "webhooks-due": {"task": "billing.tasks.webhooks_due", "schedule": 5.0},
     "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},
     "billing-exports-expire": {"task": "billing.tasks.exports_expire", "schedule": 3600.0},
     "request-logs-expire": {"task": "requestlogs.tasks.request_logs_expire",

@@ -13,7 +13,7 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from billing import services
-from billing.models import Export, Invoice, SpendCap, UsageRecord
+from billing.models import Budget, Export, Invoice, SpendCap, UsageRecord, WebhookEndpoint
 from billing.urls import urlpatterns
 from tenants import access
 from tenants.access import SYSTEM, Actor, TenantAccess
@@ -29,7 +29,7 @@ NOT_TENANT_OWNED = {
     "plan-spend-cap": "a plan's default cap: operators only",
     "usage-dead-letters": "reports the ledger refused, often of no known tenant: operators",
 }
-OBJECT_KWARGS = {"invoice_id", "export_id", "request_id"}
+OBJECT_KWARGS = {"invoice_id", "export_id", "request_id", "budget_id", "endpoint_id"}
 MUTATING = {"post", "put", "patch", "delete"}
 # The action every tenant operation needs (tenants/access.py RULES): reads are guarded too,
 # since usage and money are not for every member or key.
@@ -44,6 +44,15 @@ ACTION_OF = {
     ("exports", "post"): "billing.export",
     ("export", "get"): "billing.read",
     ("export-content", "get"): "billing.read",
+    ("budgets", "get"): "budget.read",
+    ("budgets", "post"): "budget.manage",
+    ("budget", "get"): "budget.read",
+    ("budget", "patch"): "budget.manage",
+    ("budget", "delete"): "budget.manage",
+    ("webhooks", "get"): "webhook.read",
+    ("webhooks", "post"): "webhook.manage",
+    ("webhook", "delete"): "webhook.manage",
+    ("webhook-deliveries", "get"): "webhook.read",
 }
 
 
@@ -92,8 +101,13 @@ class World:
                                             format="csv", start=T0, end=T0 + timedelta(days=31))
             services.export_build(export_id=export.pk)
             invoice = Invoice.objects.get(tenant=tenant, period_start=T0.date())
+            budget = services.budget_create(tenant=tenant, actor=SYSTEM, scope="tenant",
+                                            window="month", spend_limit=Decimal(5))
+            endpoint = WebhookEndpoint.objects.create(tenant=tenant, secret="whsec_",
+                                                      url="https://hooks.example/")
             self.ids[tenant.slug] = {"invoice_id": invoice.pk, "export_id": export.pk,
-                                     "request_id": request_id}
+                                     "request_id": request_id, "budget_id": budget.pk,
+                                     "endpoint_id": endpoint.pk}
 
     def url(self, name: str, route: str, *, slug: str, ids_of: str) -> str:
         kwargs = {"slug": slug}
@@ -110,6 +124,9 @@ def _snapshot(tenant) -> tuple:
     return (
         sorted(Export.objects.filter(tenant=tenant).values_list("id", "status", "file_name")),
         sorted(Invoice.objects.filter(tenant=tenant).values_list("id", "status", "total")),
+        sorted(Budget.objects.filter(tenant=tenant).values_list("id", "spend_limit",
+                                                                "token_limit")),
+        sorted(WebhookEndpoint.objects.filter(tenant=tenant).values_list("id", "url")),
         sorted(SpendCap.objects.filter(tenant=tenant).values_list("id", "monthly_limit")),
         UsageRecord.objects.filter(tenant=tenant).count(),
         AuditEvent.objects.filter(tenant=tenant).count(),
@@ -187,13 +204,14 @@ def test_every_operation_a_role_may_not_do_is_403_and_changes_nothing(world, rol
     client = _session(user)
     me = TenantAccess(tenant=world.a, actor=Actor(user_id=user.pk), role=role)
     before = _snapshot(world.a)
-    refused = allowed = 0
+    refused = allowed = removed = 0
     for name, route, method in _operations():
         url = world.url(name, route, slug="alpha", ids_of="alpha")
         response = _call(client, method, url)
         if access.allowed(me, ACTION_OF[(name, method)]):
             assert response.status_code != 403, (url, method)
             allowed += 1
+            removed += response.status_code == 204  # a budget or webhook it may remove
         else:
             _assert_error(response, 403, "permission_denied")
             refused += 1
@@ -202,7 +220,8 @@ def test_every_operation_a_role_may_not_do_is_403_and_changes_nothing(world, rol
     if role in (Role.VIEWER, Role.DEVELOPER):
         assert allowed == 2  # usage and one request's usage: no spend, invoices, exports
     after = _snapshot(world.a)
-    assert after[2:] == before[2:]  # caps, ledger and audit never change this way
+    assert after[4:6] == before[4:6]  # caps and ledger never change this way
+    assert after[6] == before[6] + removed  # and only what it removed is audited
 
 
 def test_a_key_without_the_scope_is_403_and_changes_nothing(world):

@@ -7,7 +7,7 @@ import time
 
 
 def admit_many(redis_url: str, principal_json: str, count: int, start_at: float,
-               tokens: int = 0, tag: str = "") -> tuple[int, float, float]:
+               tokens: int = 0, tag: str = "", cost_micros: int = 0) -> tuple[int, float, float]:
     """Tries `count` admissions at once, from `start_at` on; returns how many got in, and
     when the first started and the last ended."""
     import redis.asyncio as aioredis
@@ -24,7 +24,8 @@ def admit_many(redis_url: str, principal_json: str, count: int, start_at: float,
         async def one(i: int) -> bool:
             try:
                 await admit(client, principal=principal, request_id=f"{tag}-{i}",
-                            prompt_tokens=tokens, max_tokens=0, lease_s=60)
+                            prompt_tokens=tokens, max_tokens=0, lease_s=60,
+                            cost_micros=cost_micros)
                 return True
             except ApiError as exc:
                 assert exc.status == 429, exc.body()

@@ -7,7 +7,6 @@ import multiprocessing
 import time
 
 import pytest
-import redis.asyncio as aioredis
 from django.conf import settings
 
 from core.errors import QuotaExceeded, RateLimited
@@ -23,23 +22,6 @@ def principal(tenant_id: int = 1, key_id: int = 1, *, key: Limits | None = None,
     return Principal(tenant_id=tenant_id, tenant_slug=f"t{tenant_id}", api_key_id=key_id,
                      api_key_prefix=f"atr_k{key_id}", tenant_limits=Limits(**limits),
                      key_limits=key or Limits())
-
-
-@pytest.fixture
-def run(redis_client):
-    """Runs a coroutine taking a fresh async Redis client (the database is flushed)."""
-
-    def runner(fn):
-        async def main():
-            client = aioredis.Redis.from_url(settings.REDIS_URL)
-            try:
-                return await fn(client)
-            finally:
-                await client.aclose()
-
-        return asyncio.run(main())
-
-    return runner
 
 
 _ids = iter(range(10**9))

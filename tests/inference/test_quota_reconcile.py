@@ -14,9 +14,10 @@ from tests.billing.conftest import event, prices
 from tests.factories import tenant_factory
 
 
-def _counter(client, level: str, ident: int) -> int:
+def _counter(client, tenant_id: int, key_id: int | None = None) -> int:
     month, _ = quota.month_window()
-    return int(client.get(quota.quota_key(level, ident, f"tokens:{month}")) or 0)
+    return int(client.get(quota.quota_key(tenant_id, f"tokens:{month}", api_key_id=key_id))
+               or 0)
 
 
 @pytest.mark.django_db
@@ -32,11 +33,11 @@ def test_flushed_counters_come_back_equal_to_the_ledger(redis_client):
         event(globex, at=now, prompt_tokens=40, cached_tokens=0, completion_tokens=2)])
     redis_client.flushdb()  # Redis restarted without persistence
     assert quota_reconcile() == 4
-    assert (_counter(redis_client, "t", acme.pk), _counter(redis_client, "t", globex.pk)) == \
-        (425, 42)
-    assert (_counter(redis_client, "k", 7), _counter(redis_client, "k", 8)) == (120, 305)
+    assert (_counter(redis_client, acme.pk), _counter(redis_client, globex.pk)) == (425, 42)
+    assert (_counter(redis_client, acme.pk, 7), _counter(redis_client, acme.pk, 8)) == \
+        (120, 305)
     month, reset_ms = quota.month_window()
-    ttl_ms = redis_client.pttl(quota.quota_key("t", acme.pk, f"tokens:{month}"))
+    ttl_ms = redis_client.pttl(quota.quota_key(acme.pk, f"tokens:{month}"))
     assert 0 < ttl_ms <= reset_ms + quota.MONTH_COUNTER_GRACE_MS
 
 
@@ -48,6 +49,6 @@ def test_a_counter_above_the_ledger_holds_reservations_and_is_left_alone(redis_c
     usage_records_ingest(events=[event(acme, at=now, prompt_tokens=100, cached_tokens=0,
                                        completion_tokens=20)])
     month, _ = quota.month_window()
-    redis_client.set(quota.quota_key("t", acme.pk, f"tokens:{month}"), 5000)  # in flight
+    redis_client.set(quota.quota_key(acme.pk, f"tokens:{month}"), 5000)  # in flight
     assert quota_reconcile() == 0
-    assert _counter(redis_client, "t", acme.pk) == 5000
+    assert _counter(redis_client, acme.pk) == 5000

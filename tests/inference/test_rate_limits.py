@@ -17,6 +17,7 @@ import pytest
 from django.conf import settings
 
 from engine import protocol
+from inference import admission as quota
 from tests.factories import key_factory, plan_factory, tenant_factory
 from tests.inference.slow_engine import slow_factory
 from tests.live import _free_port, start_engine
@@ -57,14 +58,14 @@ def post(api_server: str, caller: Caller, body: dict, path="/v1/chat/completions
 
 def tokens_held(redis_client, caller: Caller, limit: int) -> float:
     """Tokens the tenant's tokens/min bucket is holding right now."""
-    tat = redis_client.get(f"atrium:quota:t:{caller.tenant_id}:tpm")
+    tat = redis_client.get(quota.quota_key(caller.tenant_id, "tpm"))
     if tat is None:
         return 0.0
     return max(0.0, float(tat) - time.time() * 1000) / (60_000 / limit)
 
 
 def in_flight(redis_client, caller: Caller) -> int:
-    return redis_client.zcard(f"atrium:quota:t:{caller.tenant_id}:inflight")
+    return redis_client.zcard(quota.quota_key(caller.tenant_id, "inflight"))
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:

@@ -174,11 +174,12 @@ def test_redis_killed_mid_stream_ends_every_stream_cleanly_and_recovers(
     # No slot outlives its request: whatever Redis kept, nothing is left in flight.
     live = redis_lib.Redis.from_url(settings.REDIS_URL)
     deadline = time.time() + 15
-    while live.zcard(quota.quota_key("t", tenant_key.tenant_id, "inflight")) and \
+    while live.zcard(quota.quota_key(tenant_key.tenant_id, "inflight")) and \
             time.time() < deadline:
         time.sleep(0.2)
-    assert live.zcard(quota.quota_key("t", tenant_key.tenant_id, "inflight")) == 0
-    assert live.zcard(quota.quota_key("k", tenant_key.key_id, "inflight")) == 0
+    assert live.zcard(quota.quota_key(tenant_key.tenant_id, "inflight")) == 0
+    assert live.zcard(quota.quota_key(tenant_key.tenant_id, "inflight",
+                                      api_key_id=tenant_key.key_id)) == 0
 
     # The ledger bills what the engine generated, and never less than a client received.
     for r in [*sse, ws_result]:

@@ -51,7 +51,7 @@ IGNORED = [(name, endpoint, json.loads(value))
 
 def test_every_field_documented_as_changing_nothing_lists_its_values():
     names = {name for name, _, _ in IGNORED}
-    assert {"store", "metadata", "user"} <= names
+    assert {"store", "metadata"} <= names
 
 
 @pytest.mark.parametrize(("name", "endpoint", "value"), IGNORED)
@@ -65,3 +65,10 @@ def test_a_value_documented_as_changing_nothing_is_accepted_and_changes_nothing(
     for endpoint in on])
 def test_null_is_the_same_as_leaving_a_field_out(name, endpoint):
     assert _parsed(endpoint, {name: None}) == _parsed(endpoint, {})
+
+
+def test_the_user_field_reaches_the_ledger_and_changes_nothing_else():
+    with_user = _parsed("chat", {"user": "user-1234"})
+    assert with_user.params.user == "user-1234"
+    with_user.params.user = None
+    assert with_user == _parsed("chat", {})

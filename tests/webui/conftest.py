@@ -40,7 +40,7 @@ class World:
 
 def _objects(tenant, owner) -> dict[str, int]:
     from adapters.models import Adapter
-    from billing.models import Export, Invoice
+    from billing.models import Budget, Export, Invoice, WebhookEndpoint
     from billing.services import usage_records_write
     from requestlogs.services import RequestLogEntry, request_log_record
     from tenants.access import Actor
@@ -65,9 +65,13 @@ def _objects(tenant, owner) -> dict[str, int]:
     invitation, _ = invitation_create(tenant=tenant, email=f"new@{tenant.slug}.test",
                                       role="developer", actor=actor)
     member = Membership.objects.for_tenant(tenant).get(user=owner)
+    budget = Budget.objects.create(tenant=tenant, scope="tenant", window="month",
+                                   token_limit=10**6)
+    endpoint = WebhookEndpoint.objects.create(tenant=tenant, url="https://hooks.test/",
+                                              secret="whsec_")
     return {"key_id": key.pk, "invoice_id": invoice.pk, "export_id": export.pk,
             "adapter_id": adapter.pk, "request_id": rid, "invitation_id": invitation.pk,
-            "member_id": member.pk}
+            "member_id": member.pk, "budget_id": budget.pk, "endpoint_id": endpoint.pk}
 
 
 def build_world() -> World:

@@ -29,6 +29,11 @@ TENANT_OPERATIONS = {
     ("invoice", "get"): "billing.read",
     ("export-create", "post"): "billing.export",
     ("export-download", "get"): "billing.read",
+    ("budgets", "get"): "budget.read",
+    ("budget-create", "post"): "budget.manage",
+    ("budget-delete", "post"): "budget.manage",
+    ("webhook-create", "post"): "webhook.manage",
+    ("webhook-delete", "post"): "webhook.manage",
     ("adapters", "get"): "adapter.read",
     ("adapters", "post"): "adapter.create",
     ("adapter-delete", "post"): "adapter.delete",
@@ -53,7 +58,8 @@ PUBLIC = {"login", "logout"}
 OBJECT_OF = {"key-revoke": "key_id", "key-rotate": "key_id", "invoice": "invoice_id",
              "export-download": "export_id", "adapter-delete": "adapter_id",
              "log": "request_id", "member-role": "member_id", "member-remove": "member_id",
-             "invitation-revoke": "invitation_id"}
+             "invitation-revoke": "invitation_id", "budget-delete": "budget_id",
+             "webhook-delete": "endpoint_id"}
 # What a permitted POST sends (a valid form, so the service really runs).
 FORMS = {
     "keys": {"name": "k", "scopes": ["inference"]},
@@ -63,6 +69,8 @@ FORMS = {
     "log-policy": {"retention_days": "10"},
     "member-invite": {"email": "x@acme.test", "role": "viewer"},
     "member-role": {"role": "admin"},
+    "budget-create": {"scope": "key", "window": "day", "token_limit": "1000"},
+    "webhook-create": {"url": "https://hooks.acme.test/atrium"},
 }
 
 
