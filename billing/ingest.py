@@ -75,6 +75,7 @@ def _event(report: protocol.UsageReport, prefixes: dict[int, str]) -> UsageEvent
         request_id=report.request_id, tenant_id=int(report.tenant_id), model=report.model,
         adapter=report.adapter or "", api_key_id=report.api_key_id,
         api_key_prefix=prefixes.get(report.api_key_id or 0, ""), end_user=report.user or "",
+        price_class=report.price_class,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         cached_tokens=int(usage.get("cached_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),

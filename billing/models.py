@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
 from tenants.models import ApiKey, Plan, Tenant, TenantOwnedQuerySet
+
+PRICE_CLASS_INTERACTIVE, PRICE_CLASS_BATCH = "interactive", "batch"
+PRICE_CLASSES = [(PRICE_CLASS_INTERACTIVE, "interactive"), (PRICE_CLASS_BATCH, "batch")]
 
 
 class Price(models.Model):
@@ -20,6 +25,8 @@ class Price(models.Model):
     input_per_million = models.DecimalField(max_digits=18, decimal_places=6)
     cached_input_per_million = models.DecimalField(max_digits=18, decimal_places=6)
     output_per_million = models.DecimalField(max_digits=18, decimal_places=6)
+    # The batch price class (the Batch API): this share of each price above.
+    batch_ratio = models.DecimalField(max_digits=7, decimal_places=6, default=Decimal("0.5"))
     effective_from = models.DateTimeField()
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -30,12 +37,19 @@ class Price(models.Model):
             models.CheckConstraint(
                 condition=Q(input_per_million__gte=0) & Q(cached_input_per_million__gte=0)
                 & Q(output_per_million__gte=0), name="prices_are_not_negative"),
+            models.CheckConstraint(condition=Q(batch_ratio__gte=0) & Q(batch_ratio__lte=1),
+                                   name="batch_ratio_is_a_share"),
         ]
         indexes = [models.Index(fields=["model", "adapter", "currency", "-effective_from"])]
 
     def __str__(self) -> str:
         adapter = f"+{self.adapter}" if self.adapter else ""
         return f"{self.model}{adapter} from {self.effective_from}"
+
+    def per_million(self, field: str, price_class: str) -> Decimal:
+        """A token class's price (``input_per_million`` ...) in ``price_class``."""
+        value = getattr(self, field)
+        return value * self.batch_ratio if price_class == PRICE_CLASS_BATCH else value
 
 
 class UsageRecord(models.Model):
@@ -50,6 +64,9 @@ class UsageRecord(models.Model):
     adapter = models.CharField(max_length=200, blank=True, default="")
     # The request's ``user`` (an end user of the tenant's app): what its budgets count.
     end_user = models.CharField(max_length=256, blank=True, default="")
+    # A batch line (the Batch API) is billed at its prices' batch_ratio.
+    price_class = models.CharField(max_length=16, choices=PRICE_CLASSES,
+                                   default=PRICE_CLASS_INTERACTIVE)
     prompt_tokens = models.PositiveIntegerField()
     cached_tokens = models.PositiveIntegerField()
     completion_tokens = models.PositiveIntegerField()
@@ -123,6 +140,8 @@ class UsageRollup(models.Model):
     api_key_id = models.BigIntegerField(default=0)
     price_ref = models.BigIntegerField(default=0)
     surcharge_ref = models.BigIntegerField(default=0)
+    price_class = models.CharField(max_length=16, choices=PRICE_CLASSES,
+                                   default=PRICE_CLASS_INTERACTIVE)
     requests = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)
@@ -137,7 +156,8 @@ class UsageRollup(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(
             fields=["tenant", "day", "billing_period", "model", "adapter", "api_key_id",
-                    "price_ref", "surcharge_ref"], name="one_rollup_per_group")]
+                    "price_ref", "surcharge_ref", "price_class"],
+            name="one_rollup_per_group_and_price_class")]
         indexes = [models.Index(fields=["tenant", "billing_period"]),
                    models.Index(fields=["billing_period"])]
 
@@ -192,6 +212,8 @@ class InvoiceLine(models.Model):
     model = models.CharField(max_length=200)
     adapter = models.CharField(max_length=200, blank=True, default="")
     token_class = models.CharField(max_length=16, choices=TokenClass.choices)
+    price_class = models.CharField(max_length=16, choices=PRICE_CLASSES,
+                                   default=PRICE_CLASS_INTERACTIVE)
     units = models.BigIntegerField()
     # Per million tokens: the base price plus the adapter's surcharge, if any.
     unit_price = models.DecimalField(max_digits=18, decimal_places=6)

@@ -19,6 +19,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.utils import timezone
 
+from billing.models import PRICE_CLASS_BATCH, PRICE_CLASS_INTERACTIVE
 from billing.money import PER, micros, token_cost
 from billing.services.prices import PriceIndex
 
@@ -50,14 +51,15 @@ class Quote:
 
 
 FREE = Quote()
-_cache: dict[tuple[str, str], tuple[float, Quote]] = {}
+_cache: dict[tuple[str, str, bool], tuple[float, Quote]] = {}
 _lock = threading.Lock()
 
 
-def quote(model: str, adapter: str = "") -> Quote:
-    """The price in effect now for ``model`` (and ``adapter``'s surcharge); free when none.
+def quote(model: str, adapter: str = "", *, batch: bool = False) -> Quote:
+    """The price in effect now for ``model`` (and ``adapter``'s surcharge), in the batch
+    price class when ``batch``; free when none.
     NOTE: a database read at most every QUOTE_TTL_S: call it off the event loop."""
-    key = (model, adapter)
+    key = (model, adapter, batch)
     now = time.monotonic()
     cached = _cache.get(key)
     if cached is not None and cached[0] > now:
@@ -66,9 +68,14 @@ def quote(model: str, adapter: str = "") -> Quote:
     moment = timezone.now()
     found = [p for p in (index.at(model, "", moment),
                          index.at(model, adapter, moment) if adapter else None) if p]
-    result = Quote(input=sum((p.input_per_million for p in found), Decimal(0)),
-                   cached_input=sum((p.cached_input_per_million for p in found), Decimal(0)),
-                   output=sum((p.output_per_million for p in found), Decimal(0)))
+    klass = PRICE_CLASS_BATCH if batch else PRICE_CLASS_INTERACTIVE
+
+    def total(field: str) -> Decimal:
+        return sum((p.per_million(field, klass) for p in found), Decimal(0))
+
+    result = Quote(input=total("input_per_million"),
+                   cached_input=total("cached_input_per_million"),
+                   output=total("output_per_million"))
     with _lock:
         _cache[key] = (now + QUOTE_TTL_S, result)
     return result

@@ -246,6 +246,7 @@ class InvoiceLineView:
     amount: Decimal
     price_id: int | None
     surcharge_id: int | None
+    price_class: str = "interactive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,11 +267,11 @@ def invoice_lines_compute(*, tenant_id: int, period: date) -> list[InvoiceLineVi
     amounts in cents that add up to the records' exact total (money.allocate_cents)."""
     groups = list(
         UsageRollup.objects.filter(tenant_id=tenant_id, billing_period=period)
-        .values("model", "adapter", "price_ref", "surcharge_ref")
+        .values("model", "adapter", "price_ref", "surcharge_ref", "price_class")
         .annotate(prompt=Sum("prompt_tokens"), cached=Sum("cached_tokens"),
                   completion=Sum("completion_tokens"), input_sum=Sum("input_cost"),
                   cached_sum=Sum("cached_input_cost"), output_sum=Sum("output_cost"))
-        .order_by("model", "adapter", "price_ref", "surcharge_ref"))
+        .order_by("model", "adapter", "price_class", "price_ref", "surcharge_ref"))
     prices = Price.objects.in_bulk({g["price_ref"] for g in groups}
                                    | {g["surcharge_ref"] for g in groups})
     drafts = []
@@ -285,15 +286,15 @@ def invoice_lines_compute(*, tenant_id: int, period: date) -> list[InvoiceLineVi
         for token_class, price_field in _PER_MILLION.items():
             if not units[token_class] and not exact[token_class]:
                 continue
-            unit_price = sum((getattr(p, price_field) for p in (base, surcharge)
-                              if p is not None), Decimal(0))
+            unit_price = to_micro(sum((p.per_million(price_field, g["price_class"])
+                                       for p in (base, surcharge) if p is not None), Decimal(0)))
             drafts.append((g["model"], g["adapter"], token_class, units[token_class], unit_price,
-                           exact[token_class], base, surcharge))
+                           exact[token_class], base, surcharge, g["price_class"]))
     amounts = allocate_cents([d[5] for d in drafts])
     return [InvoiceLineView(model=m, adapter=a, token_class=c, units=u, unit_price=p,
-                            exact_amount=e, amount=amount,
+                            exact_amount=e, amount=amount, price_class=k,
                             price_id=b.pk if b else None, surcharge_id=s.pk if s else None)
-            for (m, a, c, u, p, e, b, s), amount in zip(drafts, amounts, strict=True)]
+            for (m, a, c, u, p, e, b, s, k), amount in zip(drafts, amounts, strict=True)]
 
 
 def invoice_list(*, tenant) -> QuerySet[Invoice]:
@@ -313,7 +314,8 @@ def invoice_view(*, invoice: Invoice) -> InvoiceView:
         lines = [InvoiceLineView(
             model=line.model, adapter=line.adapter, token_class=line.token_class,
             units=line.units, unit_price=line.unit_price, exact_amount=line.exact_amount,
-            amount=line.amount, price_id=line.price_id, surcharge_id=line.surcharge_id)
+            amount=line.amount, price_id=line.price_id, surcharge_id=line.surcharge_id,
+            price_class=line.price_class)
             for line in invoice.lines.order_by("position")]
         return InvoiceView(invoice=invoice, lines=lines, exact_total=invoice.exact_total,
                            total=invoice.total)

@@ -27,7 +27,9 @@ def _options() -> dict:
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
             "client_name": f"atrium-{os.getpid()}"}
 
-_async_clients: dict[int, aioredis.Redis] = {}
+# By loop id, with the loop: a new loop may reuse a closed one's id (a worker's tasks each
+# run their own loop), and must not get a client whose connections belong to the old one.
+_async_clients: dict[int, tuple[asyncio.AbstractEventLoop, aioredis.Redis]] = {}
 
 
 class QueuedConnectionPool(aioredis.ConnectionPool):
@@ -78,15 +80,16 @@ def async_client() -> aioredis.Redis:
     waits for one (up to ATRIUM_REDIS_POOL_TIMEOUT_S) instead of failing. Commands are
     short: no request holds a connection while it waits for tokens (inference/relay.py).
     """
-    loop_id = id(asyncio.get_running_loop())
-    client = _async_clients.get(loop_id)
+    loop = asyncio.get_running_loop()
+    held = _async_clients.get(id(loop))
+    client = held[1] if held is not None and held[0] is loop else None
     if client is None:
         pool = QueuedConnectionPool.from_url(
             settings.REDIS_URL, max_connections=settings.ATRIUM_REDIS_MAX_CONNECTIONS,
             wait_s=settings.ATRIUM_REDIS_POOL_TIMEOUT_S,
             retry=AsyncRetry(ExponentialBackoff(cap=0.2, base=0.05), _RETRIES), **_options())
         client = aioredis.Redis.from_pool(pool)
-        _async_clients[loop_id] = client
+        _async_clients[id(loop)] = (loop, client)
     return client
 
 

@@ -202,9 +202,11 @@ class EventWriter:
         # NOTE: in the same MULTI as the final event and the XACK: a request's usage is
         # reported exactly when it is settled, so recovery can never report it twice.
         report = protocol.UsageReport(
-            request_id=request.request_id, tenant_id=request.tenant_id, model=request.model,
+            request_id=request.usage_id or request.request_id, tenant_id=request.tenant_id,
+            model=request.model,
             usage=final.data.get("usage") or Usage().to_dict(), occurred_at=time.time(),
             api_key_id=request.api_key_id, adapter=request.adapter, user=request.user,
+            price_class=request.price_class,
             finish_reason=final.data.get("finish_reason"), error_code=final.data.get("code"))
         batch.add("xadd", protocol.USAGE_STREAM, report.encode(),
                   maxlen=protocol.USAGE_STREAM_MAXLEN, approximate=True)

@@ -59,6 +59,14 @@ class FairQueue:
         self._len -= 1
         return seq
 
+    def best_priority(self) -> int | None:
+        """The best (lowest) priority class with a sequence waiting; None when empty."""
+        return min(self._classes, default=None)
+
+    def peek(self) -> Sequence:
+        """What ``pop`` would hand out next, left waiting."""
+        return next(iter(self._classes[min(self._classes)].values()))[0]
+
     def candidates(self) -> list[Sequence]:
         """Every waiting sequence in the order the queue would hand them out.
 

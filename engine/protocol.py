@@ -124,6 +124,12 @@ MAX_EXTRA_PROMPTS = 15
 MAX_CHOICES = 64
 
 
+# The priority class of batch requests (the Batch API): below every plan's, so the
+# scheduler serves them only from capacity interactive requests leave, and preempts them
+# first.
+BATCH_PRIORITY = 100
+
+
 @dataclass(slots=True)
 class EngineRequest:
     """One generation request, as XADDed to ``request_stream(model)``."""
@@ -142,6 +148,10 @@ class EngineRequest:
     api_key_id: int | None = None  # for the usage ledger; never an access decision here
     # The request's ``user`` (the tenant's end user), for the ledger and its budgets.
     user: str | None = None
+    # The ledger's key for this request's usage when it is not ``request_id``: a batch
+    # line's, the same for each attempt at it, so a line is billed once.
+    usage_id: str | None = None
+    price_class: str = "interactive"  # or "batch": the price book's class it is billed at
     priority: int = 0  # lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
     arrival: float = field(default_factory=time.time)
@@ -311,6 +321,7 @@ class UsageReport:
     error_code: str | None = None
     version: int = PROTOCOL_VERSION
     user: str | None = None  # the request's end user, as EngineRequest.user
+    price_class: str = "interactive"  # as EngineRequest.price_class
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self), separators=(",", ":"))}

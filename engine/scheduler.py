@@ -5,7 +5,8 @@ Plain Python, no tensors. Each step the scheduler fills a token budget:
 1. running sequences, decodes first, then prompt chunks (chunked prefill);
 2. when the KV pool cannot hold a running sequence's next tokens, the lowest-priority,
    latest-arrived running sequence is preempted: its blocks go back to the pool and it
-   waits to be recomputed (its prompt and output so far run again as a prefill);
+   waits to be recomputed (its prompt and output so far run again as a prefill); batch
+   work (the Batch API's class) runs on spare capacity only (engine/spare_capacity.py);
 3. then waiting sequences, fairly across tenants (``FairQueue``), each starting from
    whatever prefix of it the prefix cache already holds.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from engine import parallel, protocol, speculative
+from engine import parallel, protocol, spare_capacity, speculative
 from engine.batch import (
     RunnerOutput,
     SampleFailure,
@@ -58,6 +59,8 @@ class Scheduler:
         self.drafted: dict[str, list[int]] | None = None
         self.speculation_paused = False  # set per step by the engine's SpeculationGovernor
         self.waiting = FairQueue()
+        self.batch_sits_out = False  # this step: an interactive sequence is starting
+        self.batch_tokens_left = 0  # this step: what batch work may still take
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
         # Requests with more than one choice (engine/parallel.py), by request id.
@@ -106,6 +109,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         scheduled: dict[str, tuple[Sequence, int]] = {}  # in batch order
+        victim = spare_capacity.seat_to_yield(self.waiting, self.running, self.kv,
+                                              self.max_num_seqs)
+        if victim is not None:
+            self._preempt(victim)
+        self.batch_sits_out = spare_capacity.interactive_starting(self.waiting, self.running)
+        self.batch_tokens_left = spare_capacity.BATCH_STEP_TOKENS
         budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens)
         # New work only when nothing had to make room this step.
         if not preempted:
@@ -125,10 +134,11 @@ class Scheduler:
         for seq in queue:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
-            if n < seq.num_uncomputed and not self.enable_chunked_prefill:
+            if seq.status is not SequenceStatus.RUNNING or (
+                    self.batch_sits_out and spare_capacity.is_batch(seq)):
+                continue  # preempted earlier in this loop, or batch work sitting out
+            n = min(seq.num_uncomputed, budget, self._batch_cap(seq))
+            if n == 0 or (n < seq.num_uncomputed and not self.enable_chunked_prefill):
                 continue
             seq.draft = self._draft(seq, budget - 1) \
                 if speculate and seq.num_uncomputed == 1 else []
@@ -148,7 +158,16 @@ class Scheduler:
                 # NOTE: draft tokens are not in token_ids: only verified ones are indexed.
                 self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 budget -= n
+                self._batch_took(seq, n)
         return budget, preempted
+
+    def _batch_cap(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` may run this step: batch work takes a short share."""
+        return self.batch_tokens_left if spare_capacity.is_batch(seq) else seq.num_tokens
+
+    def _batch_took(self, seq: Sequence, n: int) -> None:
+        if spare_capacity.is_batch(seq):
+            self.batch_tokens_left -= n
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
         """The tokens ``seq`` speculates this step (engine/speculative.py): none unless it
@@ -193,15 +212,16 @@ class Scheduler:
         waiting_for_slot = False
         seats = sum(parallel.seats(s) for s in self.running)  # an unforked prompt's: n
         for seq in self.waiting.candidates():
-            if budget == 0 or seats + parallel.seats(seq) > self.max_num_seqs:
+            if budget == 0 or seats + parallel.seats(seq) > self.max_num_seqs or (
+                    self.batch_sits_out and spare_capacity.is_batch(seq)):
                 break
             if seq.adapter_hash is not None and (
                     waiting_for_slot or not self.slots.can_acquire(seq.adapter_hash)):
                 waiting_for_slot = True
                 continue
             computed, num_cached = self.kv.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_cached, budget)
-            if n < seq.num_tokens - num_cached and not self.enable_chunked_prefill:
+            n = min(seq.num_tokens - num_cached, budget, self._batch_cap(seq))
+            if n == 0 or (n < seq.num_tokens - num_cached and not self.enable_chunked_prefill):
                 break
             if not self.kv.allocate_slots(seq, n, computed):
                 break
@@ -209,6 +229,7 @@ class Scheduler:
             scheduled[seq.request_id] = (seq, n)
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
+            self._batch_took(seq, n)
             seats += parallel.seats(seq)
 
     def _start(self, seq: Sequence, num_cached: int) -> None:

@@ -2,9 +2,9 @@
 
 authenticate → (the entry point's trace) → precheck → prepare → admit → dispatch, then the
 entry point relays ``responses.stream_chunks`` or ``responses.collect``, whose own cleanup
-(``service.close``) settles the admission. The JSON view, SSE and the websocket call
-:func:`start`; the Batch API will too. A step that refuses gives back what the steps
-before it took.
+(``service.close``) settles the admission. The JSON view, SSE, the websocket and the
+batch runner (inference/batch_runner.py) call :func:`start`. A step that refuses gives
+back what the steps before it took.
 """
 
 from __future__ import annotations
@@ -38,17 +38,19 @@ class Started:
         return {"x-request-id": self.prepared.response_id, **self.admission.headers()}
 
 
-async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None) -> Started:
+async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None,
+                batch_line: str | None = None) -> Started:
     """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace.
 
     ``before_admit`` runs once the request is known to be valid, before it takes any quota:
     an entry point's own limit (the websocket's requests per socket) refuses there, so an
-    invalid request never counts against it."""
+    invalid request never counts against it. ``batch_line``: a batch line's ledger key (the
+    batch runner's requests)."""
     began = time.perf_counter()
     # The process's own limit first (relay.py): a request past it costs nothing.
     subscription = event_hub().subscribe()
     try:
-        started = await _admitted(trace, subscription, before_admit)
+        started = await _admitted(trace, subscription, before_admit, batch_line)
     except BaseException:
         subscription.close()
         raise
@@ -59,13 +61,15 @@ async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None)
 
 
 async def _admitted(trace: Trace, subscription: Subscription,
-                    before_admit: Callable[[], None] | None) -> Started:
+                    before_admit: Callable[[], None] | None,
+                    batch_line: str | None) -> Started:
     # A refused caller costs no tokenizing.
     limits = await service.precheck(trace.principal, trace.body)
     try:
         # Tokenizing a long prompt is CPU work: keep it off the event loop.
         prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
-            principal=trace.principal, kind=trace.kind, body=trace.body)
+            principal=trace.principal, kind=trace.kind, body=trace.body,
+            batch_line=batch_line)
     except ApiError as exc:
         # The key is known: its refusal says where it stands, as every answer to it does.
         exc.headers = {**limits.headers(), **exc.headers}

@@ -213,7 +213,10 @@ def _settle_max_tokens(params: p.GenerationParams, kind: Kind, room: int,
             param=name)
 
 
-def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
+def prepare(*, principal: Principal, kind: Kind, body: Any,
+            batch_line: str | None = None) -> Prepared:
+    """``batch_line``: the request is a batch's line (its ledger key): it runs in the batch
+    priority class."""
     parsed = p.parse(kind, body)
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
@@ -236,7 +239,9 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
                               adapter_hash=adapter.content_hash if adapter else None),
         adapter=adapter.display_name if adapter else None,
         adapter_hash=adapter.content_hash if adapter else None,
-        priority=principal.priority,
+        priority=principal.priority if batch_line is None else protocol.BATCH_PRIORITY,
+        usage_id=batch_line,
+        price_class="interactive" if batch_line is None else "batch",
         deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
     )
     echo = []
@@ -244,7 +249,8 @@ def prepare(*, principal: Principal, kind: Kind, body: Any) -> Prepared:
         echo = [text if isinstance(text, str) else
                 model.tokenizer.decode(ids, skip_special_tokens=False)
                 for text, ids in zip(parsed.prompts, prompts, strict=True)]
-    price = pricing.quote(model.name, adapter.display_name if adapter else "")
+    price = pricing.quote(model.name, adapter.display_name if adapter else "",
+                          batch=batch_line is not None)
     return Prepared(kind=kind, created=int(time.time()), model=model, adapter=adapter,
                     params=params, engine_request=engine_request, principal=principal,
                     tools=tools, echo=echo, price=price)

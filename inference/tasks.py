@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, date, datetime
 
 from celery import shared_task
 
+from batches import services as batch_services
 from billing.selectors import tokens_used_between
 from core.redis import sync_client
 from engine import protocol
@@ -61,3 +63,18 @@ def quota_reconcile() -> int:
             raised += script(keys=[k for k, _ in batch],
                              args=[expire_at, *(t for _, t in batch)])
     return raised
+
+
+@shared_task(name=batch_services.BATCH_RUN, acks_late=True)
+def batch_run(batch_id: str) -> str:
+    """Runs a batch's pending lines (on the ``batches`` queue: a batch runs for minutes or
+    hours and must not hold up the ledger's tasks)."""
+    from inference.batch_runner import run_batch
+
+    return asyncio.run(run_batch(batch_id))
+
+
+@shared_task(name="inference.tasks.batches_resume")
+def batches_resume() -> int:
+    """Starts a runner for each active batch whose runner died."""
+    return batch_services.batches_resume()

@@ -43,7 +43,7 @@ def api_view(method: str) -> Callable[[View], View]:
     return decorate
 
 
-def _json_body(request: HttpRequest) -> Any:
+def json_body(request: HttpRequest) -> Any:
     length = int(request.headers.get("Content-Length") or 0)
     if length > settings.ATRIUM_MAX_BODY_BYTES:
         raise BodyTooLarge(f"the request body is larger than {settings.ATRIUM_MAX_BODY_BYTES} "
@@ -150,7 +150,7 @@ async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
 
 async def _serve(request: HttpRequest, kind: service.Kind,
                  trace: requestlog.Trace) -> HttpResponse:
-    trace.body = _json_body(request)
+    trace.body = json_body(request)
     started = await pipeline.start(trace)
     prepared, dispatch, admission = started.prepared, started.dispatch, started.admission
     try:

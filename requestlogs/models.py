@@ -22,7 +22,7 @@ class RequestLog(models.Model):
     api_key_id = models.BigIntegerField(null=True, blank=True)
     api_key_prefix = models.CharField(max_length=16, blank=True, default="")
     endpoint = models.CharField(max_length=16)  # "chat" | "completion"
-    transport = models.CharField(max_length=16)  # "http" | "websocket"
+    transport = models.CharField(max_length=16)  # "http" | "websocket" | "batch"
     model = models.CharField(max_length=200)  # the base model, or what the client asked for
     adapter = models.CharField(max_length=200, blank=True, default="")
     stream = models.BooleanField(default=False)

@@ -91,6 +91,8 @@ RULES: dict[str, Rule] = {
     "budget.manage": Rule(_PAYERS, None, staff=True),
     "webhook.read": Rule(_PAYERS, Scope.BILLING, staff=True),
     "webhook.manage": Rule(_MANAGERS, None, staff=True),
+    # The Batch API's batches and files, in the console (keys use /v1/batches and /v1/files).
+    "batch.read": Rule(_BUILDERS, Scope.INFERENCE, staff=True),
 }
 
 # Scopes a role may put on a key it creates; a key may grant only scopes it has.

@@ -18,13 +18,14 @@ from tenants.access import Actor
 from tenants.authentication import aauthenticate, authenticate, is_bearer
 from tenants.models import ApiKey, Membership, Role, Tenant
 from tenants.principals import Limits, Principal
-from tenants.selectors import principal_from_api_key
+from tenants.selectors import principal_by_key_id, principal_from_api_key
 from tenants.services import audit_record
 
 __all__ = [
     "Actor", "Limits", "Principal", "aauthenticate", "api_key_belongs", "api_key_prefixes",
-    "audit_record", "authenticate", "is_bearer", "principal_from_api_key",
-    "tenant_ids_existing", "tenant_payer_emails", "tenant_plans", "tenant_slugs",
+    "audit_record", "authenticate", "is_bearer", "principal_by_key_id",
+    "principal_from_api_key",
+    "tenant_ids_existing", "tenant_of", "tenant_payer_emails", "tenant_plans", "tenant_slugs",
 ]
 
 
@@ -61,3 +62,8 @@ def tenant_payer_emails(tenant_id: int) -> list[str]:
     return sorted({email for email in Membership.objects.filter(
         tenant_id=tenant_id, role__in=[Role.OWNER, Role.ADMIN, Role.BILLING],
         user__is_active=True).values_list("user__email", flat=True) if email})
+
+
+def tenant_of(principal: Principal) -> Tenant:
+    """The tenant a key acts for (the Files and Batch APIs' services take the tenant)."""
+    return Tenant.objects.get(pk=principal.tenant_id)

@@ -148,6 +148,15 @@ def key_state_by_digest(*, digest: str) -> Principal | str:
     return api_key_denial(key) or principal_for_key(key)
 
 
+def principal_by_key_id(*, api_key_id: int) -> Principal | None:
+    """The key's principal while it is active (a batch runs under the key that made it);
+    None once it is revoked, expired or gone."""
+    key = ApiKey.objects.select_related("tenant__plan").filter(pk=api_key_id).first()
+    if key is None or api_key_denial(key):
+        return None
+    return principal_for_key(key)
+
+
 def principal_from_api_key(*, plaintext: str) -> Principal | None:
     """The active key's principal, or None for a malformed, unknown, revoked or expired key.
 

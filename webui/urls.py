@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from webui.views import budgets, operator, tenant
+from webui.views import batches, budgets, operator, tenant
 
 app_name = "webui"
 
@@ -35,6 +35,8 @@ urlpatterns = [
     path(f"{T}/webhooks/new", budgets.webhook_create, name="webhook-create"),
     path(f"{T}/webhooks/<int:endpoint_id>/delete", budgets.webhook_delete,
          name="webhook-delete"),
+    path(f"{T}/batches", batches.batches, name="batches"),
+    path(f"{T}/files/<str:file_id>/download", batches.file_download, name="file-download"),
     path(f"{T}/adapters", tenant.adapters, name="adapters"),
     path(f"{T}/adapters/<int:adapter_id>/delete", tenant.adapter_delete, name="adapter-delete"),
     path(f"{T}/logs", tenant.logs, name="logs"),

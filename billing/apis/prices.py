@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
@@ -25,6 +26,9 @@ class PriceSerializer(serializers.Serializer):
     input_per_million = serializers.DecimalField(**PRICE)
     cached_input_per_million = serializers.DecimalField(**PRICE)
     output_per_million = serializers.DecimalField(**PRICE)
+    batch_ratio = serializers.DecimalField(max_digits=7, decimal_places=6,
+                                           help_text="the batch price class's share of these "
+                                           "prices (the Batch API)")
     effective_from = serializers.DateTimeField()
     created_at = serializers.DateTimeField()
 
@@ -57,6 +61,9 @@ class PriceCreateApi(Api):
         input_per_million = serializers.DecimalField(**PRICE)
         cached_input_per_million = serializers.DecimalField(**PRICE)
         output_per_million = serializers.DecimalField(**PRICE)
+        batch_ratio = serializers.DecimalField(
+            max_digits=7, decimal_places=6, min_value=Decimal(0), max_value=Decimal(1),
+            required=False, help_text="the batch price class's share (default 0.5)")
         effective_from = serializers.DateTimeField(
             required=False, help_text="default: now; never in the past")
 

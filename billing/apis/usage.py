@@ -149,6 +149,8 @@ class UsageRecordSerializer(serializers.Serializer):
     input_tokens = serializers.IntegerField(help_text="prompt tokens, cached ones included")
     input_cached_tokens = serializers.IntegerField()
     output_tokens = serializers.IntegerField()
+    price_class = serializers.CharField(help_text="interactive, or batch (a Batch API line, "
+                                        "whose request_id is <batch id>-<line index>)")
     amount = serializers.DictField(child=serializers.CharField(),
                                    help_text='{"value": "<decimal>", "currency": "USD"}')
 
@@ -167,7 +169,7 @@ class UsageRecordDetailApi(TenantApi):
             "adapter": record.adapter, "api_key_id": record.api_key_id,
             "api_key_prefix": record.api_key_prefix, "finish_reason": record.finish_reason,
             "input_tokens": record.prompt_tokens, "input_cached_tokens": record.cached_tokens,
-            "output_tokens": record.completion_tokens,
+            "output_tokens": record.completion_tokens, "price_class": record.price_class,
             "amount": amount(to_micro(record.cost), record.currency)})
 
 

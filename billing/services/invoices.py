@@ -63,7 +63,8 @@ def invoice_finalize(*, invoice_id: int, now: datetime | None = None) -> Invoice
             invoice=invoice, position=i, model=line.model, adapter=line.adapter,
             token_class=line.token_class, units=line.units, unit_price=line.unit_price,
             exact_amount=line.exact_amount, amount=line.amount, price_id=line.price_id,
-            surcharge_id=line.surcharge_id) for i, line in enumerate(lines, start=1)])
+            surcharge_id=line.surcharge_id, price_class=line.price_class)
+            for i, line in enumerate(lines, start=1)])
         invoice.exact_total = sum((line.exact_amount for line in lines), Decimal(0))
         invoice.total = sum((line.amount for line in lines), Decimal("0.00"))
         invoice.status = Invoice.Status.FINALIZED

@@ -14,7 +14,13 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from billing.models import Invoice, UsageDeadLetter, UsageRecord
+from billing.models import (
+    PRICE_CLASS_BATCH,
+    PRICE_CLASS_INTERACTIVE,
+    Invoice,
+    UsageDeadLetter,
+    UsageRecord,
+)
 from billing.money import to_micro, token_cost
 from billing.periods import period_of
 from billing.services.bulk import INSERT_CHUNK, chunks
@@ -43,6 +49,7 @@ class UsageEvent:
     api_key_prefix: str = ""
     adapter: str = ""
     end_user: str = ""  # the request's ``user``, for the end users' budgets
+    price_class: str = "interactive"  # or "batch": billed at the prices' batch_ratio
     finish_reason: str = ""
     queue_ms: int | None = None
     ttft_ms: int | None = None
@@ -81,6 +88,8 @@ class UsageEvent:
             raise ValueError("finish reason or key prefix too long")
         if len(self.end_user) > 256:
             raise ValueError("an end user has at most 256 characters")
+        if self.price_class not in (PRICE_CLASS_INTERACTIVE, PRICE_CLASS_BATCH):
+            raise ValueError("a price class is interactive or batch")
 
 def _costed(event: UsageEvent, prices: PriceIndex, period: date) -> UsageRecord:
     base = prices.at(event.model, "", event.occurred_at)
@@ -88,14 +97,18 @@ def _costed(event: UsageEvent, prices: PriceIndex, period: date) -> UsageRecord:
         if event.adapter else None
     uncached = event.prompt_tokens - event.cached_tokens
     parts = {"input": Decimal(0), "cached": Decimal(0), "output": Decimal(0)}
+    klass = event.price_class
     for price in (p for p in (base, surcharge) if p is not None):
-        parts["input"] += token_cost(uncached, price.input_per_million)
-        parts["cached"] += token_cost(event.cached_tokens, price.cached_input_per_million)
-        parts["output"] += token_cost(event.completion_tokens, price.output_per_million)
+        parts["input"] += token_cost(uncached, price.per_million("input_per_million", klass))
+        parts["cached"] += token_cost(event.cached_tokens,
+                                      price.per_million("cached_input_per_million", klass))
+        parts["output"] += token_cost(event.completion_tokens,
+                                      price.per_million("output_per_million", klass))
     return UsageRecord(
         request_id=event.request_id, tenant_id=event.tenant_id, api_key_id=event.api_key_id,
         api_key_prefix=event.api_key_prefix, model=event.model, adapter=event.adapter,
-        end_user=event.end_user, prompt_tokens=event.prompt_tokens,
+        end_user=event.end_user, price_class=event.price_class,
+        prompt_tokens=event.prompt_tokens,
         cached_tokens=event.cached_tokens,
         completion_tokens=event.completion_tokens, finish_reason=event.finish_reason,
         queue_ms=event.queue_ms, ttft_ms=event.ttft_ms, total_ms=event.total_ms,

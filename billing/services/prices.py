@@ -29,7 +29,7 @@ class PriceBackdated(InvalidRequest):
 def price_create(*, model: str, input_per_million: Decimal, cached_input_per_million: Decimal,
                  output_per_million: Decimal, effective_from: datetime | None = None,
                  adapter: str = "", currency: str | None = None, actor: Actor | None = None,
-                 now: datetime | None = None) -> Price:
+                 now: datetime | None = None, batch_ratio: Decimal = Decimal("0.5")) -> Price:
     """A new price from ``effective_from`` (default: now) on; it supersedes the one before,
     never edits it, and never starts in the past: a price never changes what was already
     billed. ``now`` is the clock (tests that build a price history set it)."""
@@ -45,6 +45,9 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
     amounts = (input_per_million, cached_input_per_million, output_per_million)
     if any(a < 0 for a in amounts):
         raise InvalidRequest("prices are never negative", code="invalid_value")
+    if not 0 <= batch_ratio <= 1:
+        raise InvalidRequest("batch_ratio is a share, from 0 to 1", param="batch_ratio",
+                             code="invalid_value")
     if Price.objects.filter(model=model, adapter=adapter, currency=currency,
                             effective_from=effective_from).exists():
         raise Conflict(f"a price for '{model}{'+' + adapter if adapter else ''}' already "
@@ -54,7 +57,8 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
         price = Price.objects.create(
             model=model, adapter=adapter, currency=currency, input_per_million=input_per_million,
             cached_input_per_million=cached_input_per_million,
-            output_per_million=output_per_million, effective_from=effective_from)
+            output_per_million=output_per_million, batch_ratio=batch_ratio,
+            effective_from=effective_from)
         if actor is not None:
             audit_record(tenant=None, actor=actor, action="price.create", target_type="price",
                          target_id=price.pk, after={
@@ -62,6 +66,7 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
                              "input_per_million": str(input_per_million),
                              "cached_input_per_million": str(cached_input_per_million),
                              "output_per_million": str(output_per_million),
+                             "batch_ratio": str(batch_ratio),
                              "effective_from": effective_from})
     return price
 

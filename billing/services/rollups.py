@@ -12,7 +12,7 @@ from billing.models import UsageRecord, UsageRollup
 from billing.services.bulk import INSERT_CHUNK, chunks, quoted
 
 ROLLUP_KEY = ("tenant", "day", "billing_period", "model", "adapter", "api_key_id", "price_ref",
-              "surcharge_ref")
+              "surcharge_ref", "price_class")
 ROLLUP_SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "input_cost",
                "cached_input_cost", "output_cost", "cost")
 
@@ -20,7 +20,7 @@ ROLLUP_SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens"
 def _rollup_key(record: UsageRecord) -> tuple:
     return (record.tenant_id, record.occurred_at.astimezone(UTC).date(), record.billing_period,
             record.model, record.adapter, record.api_key_id or 0, record.price_id or 0,
-            record.surcharge_id or 0)
+            record.surcharge_id or 0, record.price_class)
 
 
 def rollups_add(records: list[UsageRecord]) -> None:

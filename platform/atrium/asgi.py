@@ -65,6 +65,8 @@ class BodyLimit:
     # A whole archive in one request, or a chunk of a resumable upload.
     UPLOAD = re.compile(r"^/api/v1/tenants/(?P<slug>[^/]+)/adapters$")
     CHUNK = re.compile(r"^/api/v1/tenants/(?P<slug>[^/]+)/adapter-uploads/[^/]+$")
+    # A batch input file (the Files API), for any tenant's key with the inference scope.
+    FILES = re.compile(r"^/v1/files$")
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
@@ -74,6 +76,12 @@ class BodyLimit:
         """The byte limit of this request, the seconds its body may take to arrive, and what
         to say when the size is exceeded."""
         path = scope.get("path", "")
+        if self.FILES.match(path):
+            if await _known_key(scope, "inference"):
+                return (settings.ATRIUM_FILE_MAX_BYTES + (1 << 20),  # + multipart framing
+                        settings.ATRIUM_UPLOAD_TIMEOUT_S, "")
+            return self.default_limit, settings.ATRIUM_BODY_TIMEOUT_S, (
+                " (larger files need an API key with the inference scope)")
         for pattern, limit in ((self.UPLOAD, settings.ATRIUM_ADAPTER_MAX_UPLOAD_BYTES
                                 + (1 << 20)),  # + multipart framing
                                (self.CHUNK, settings.ATRIUM_ADAPTER_CHUNK_BYTES)):
@@ -132,6 +140,21 @@ class BodyLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _known_key(scope, key_scope: str) -> bool:
+    """An active API key with ``key_scope``, any tenant's."""
+    from core.errors import ApiError
+    from tenants.facade import aauthenticate
+
+    headers = dict(scope.get("headers", []))
+    if b"authorization" not in headers:
+        return False
+    try:
+        await aauthenticate(headers[b"authorization"].decode("latin-1"), scope=key_scope)
+    except ApiError:
+        return False
+    return True
 
 
 async def _known_uploader(scope, slug: str) -> bool:

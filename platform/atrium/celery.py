@@ -19,7 +19,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 app = Celery("atrium")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["atrium", "adapters", "billing", "requestlogs"])
+app.autodiscover_tasks(["atrium", "inference", "adapters", "billing", "requestlogs", "batches"])
 
 
 def celery_redis_url(redis_url: str) -> str:

@@ -228,7 +228,12 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
         serve(args.metrics_port, host=args.metrics_host, what="Celery worker")
 
-    argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}"]
+    if args.nice:
+        os.nice(args.nice)  # this worker's processes yield the CPU to web and engines
+    argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}",
+            f"--queues={args.queues}",
+            # Workers serving different queues on one host need names of their own.
+            f"--hostname={args.queues.replace(',', '-')}@%h"]
     if not args.no_beat:
         beat_db = atrium_home() / "celerybeat-schedule"
         argv += ["--beat", f"--schedule={beat_db}"]
@@ -268,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="Celery worker with beat")
     worker.add_argument("--concurrency", type=int, default=2)
     worker.add_argument("--no-beat", action="store_true")
+    worker.add_argument("--nice", type=int, default=0,
+                        help="lower this worker's CPU priority by N (the batches worker "
+                        "beside web and engine on one host)")
+    worker.add_argument("--queues", default="celery,batches",
+                        help="Celery queues to serve: celery (the platform's tasks), batches "
+                        "(Batch API runners, each busy for the length of a batch)")
     add_metrics_arguments(worker, "ATRIUM_WORKER_METRICS_PORT")
     worker.set_defaults(func=cmd_worker)
 

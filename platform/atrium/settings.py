@@ -7,6 +7,7 @@ and the demo model the project builds itself.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from decimal import Decimal, InvalidOperation
@@ -61,6 +62,7 @@ INSTALLED_APPS = [
     "adapters",
     "billing",
     "requestlogs",
+    "batches",
     "webui",
 ]
 
@@ -212,6 +214,24 @@ ATRIUM_INVOICE_GRACE_S = int(os.environ.get("ATRIUM_INVOICE_GRACE_S", "3600"))
 ATRIUM_EXPORT_DIR = Path(os.environ.get("ATRIUM_EXPORT_DIR", ATRIUM_HOME / "exports"))
 ATRIUM_EXPORT_TTL_S = int(os.environ.get("ATRIUM_EXPORT_TTL_S", str(7 * 86400)))
 ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
+# Files of the Files and Batch APIs (docs/batches.md): how large an upload may be, how
+# many requests a batch holds, how many of a batch's lines run at once, and where files
+# live (any Django storage: ATRIUM_FILES_BACKEND names its class, ATRIUM_FILES_OPTIONS
+# its options as JSON; django-storages' S3Storage with a bucket_name, say).
+ATRIUM_FILE_MAX_BYTES = int(os.environ.get("ATRIUM_FILE_MAX_BYTES", str(100 * 1024 * 1024)))
+ATRIUM_BATCH_MAX_LINES = int(os.environ.get("ATRIUM_BATCH_MAX_LINES", "50000"))
+ATRIUM_BATCH_CONCURRENCY = int(os.environ.get("ATRIUM_BATCH_CONCURRENCY", "16"))
+ATRIUM_BATCH_LEASE_S = float(os.environ.get("ATRIUM_BATCH_LEASE_S", "60"))
+ATRIUM_FILES_DIR = Path(os.environ.get("ATRIUM_FILES_DIR", ATRIUM_HOME / "files"))
+try:
+    _files_options = json.loads(os.environ.get("ATRIUM_FILES_OPTIONS") or "null")
+except ValueError as exc:
+    raise ImproperlyConfigured("ATRIUM_FILES_OPTIONS must be a JSON object") from exc
+STORAGES["atrium-files"] = {
+    "BACKEND": os.environ.get("ATRIUM_FILES_BACKEND",
+                              "django.core.files.storage.FileSystemStorage"),
+    "OPTIONS": _files_options if _files_options is not None else {
+        "location": str(ATRIUM_FILES_DIR)}}
 STORAGES["billing-exports"] = {"BACKEND": "django.core.files.storage.FileSystemStorage",
                                "OPTIONS": {"location": str(ATRIUM_EXPORT_DIR)}}
 
@@ -260,6 +280,9 @@ CELERY_BROKER_URL = celery_redis_url(REDIS_URL)
 CELERY_RESULT_BACKEND = CELERY_BROKER_URL
 CELERY_TASK_IGNORE_RESULT = True  # tasks report through the database, never a result
 CELERY_TASK_ACKS_LATE = True
+# Batches run for minutes or hours: on a queue of their own, which `atrium worker` also
+# serves unless told otherwise (`--queues`), so the ledger's tasks never wait behind one.
+CELERY_TASK_ROUTES = {"inference.tasks.batch_run": {"queue": "batches"}}
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Celery keeps its hands off the root logger: LOGGING below (JSON, redacted) stays in force.
@@ -270,6 +293,7 @@ CELERY_BEAT_SCHEDULE = {
     "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
     "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
     "budgets-reconcile": {"task": "billing.tasks.budgets_reconcile", "schedule": 60.0},
+    "batches-resume": {"task": "inference.tasks.batches_resume", "schedule": 30.0},
     "budget-alerts": {"task": "billing.tasks.budget_alerts", "schedule": 10.0},
     "webhooks-due": {"task": "billing.tasks.webhooks_due", "schedule": 5.0},
     "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},

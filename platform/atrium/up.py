@@ -112,9 +112,14 @@ def _up(args: argparse.Namespace, home: Path) -> None:
         subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port),
                                 *web_metrics]),
         subprocess.Popen(exe + ["engine", *engine_metrics]),
-        subprocess.Popen(exe + ["worker", "--concurrency", "1", *worker_metrics],
+        subprocess.Popen(exe + ["worker", "--concurrency", "1", "--queues", "celery",
+                                *worker_metrics],
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
                              _fresh_dir(home / "metrics" / "worker"))}),
+        # Batch runners apart: a running batch never holds up the ledger's tasks, and on
+        # one host it takes only the CPU web and engine leave.
+        subprocess.Popen(exe + ["worker", "--concurrency", "2", "--queues", "batches",
+                                "--no-beat", "--nice", "10"]),
     ]
     base = f"http://{args.host}:{args.port}"
     try:

@@ -4,6 +4,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.permissions import AllowAny
 
 from adapters import internal as adapter_internal
+from inference import batch_views as batch_api
 from inference import views as inference
 from webui import views as webui
 
@@ -14,6 +15,12 @@ urlpatterns = [
     path("v1/chat/completions", inference.chat_completions),
     path("v1/models", inference.models),
     path("v1/models/<path:model>", inference.model_detail),
+    path("v1/files", batch_api.files),
+    path("v1/files/<str:file_id>", batch_api.file_detail),
+    path("v1/files/<str:file_id>/content", batch_api.file_content),
+    path("v1/batches", batch_api.batches),
+    path("v1/batches/<str:batch_id>", batch_api.batch_detail),
+    path("v1/batches/<str:batch_id>/cancel", batch_api.batch_cancel),
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("requestlogs.urls")),
     path("api/v1/", include("adapters.urls")),

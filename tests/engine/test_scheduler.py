@@ -205,3 +205,72 @@ def test_any_workload_finishes_within_memory_and_budget(requests, num_blocks, bu
         tokens = [t for out in outputs[s.request_id] for t in out.token_ids]
         assert tokens == [100 + i for i in range(s.params.max_tokens)]
     assert sched.kv.num_free_blocks == num_blocks
+
+
+def test_batch_work_gives_its_seat_to_interactive_work_and_finishes_after():
+    BATCH_PRIORITY = protocol.BATCH_PRIORITY
+    sched = scheduler(max_num_seqs=2)
+    batch_lines = [seq(4, tenant="a", priority=BATCH_PRIORITY, max_tokens=6) for _ in range(2)]
+    for s in batch_lines:
+        sched.add(s)
+    sched.postprocess(first := sched.schedule(), fake_tokens(first))
+    assert {s.request_id for s in sched.running} == {s.request_id for s in batch_lines}
+    interactive = seq(4, tenant="b", priority=5, max_tokens=2)
+    sched.add(interactive)
+    batch = sched.schedule()
+    assert interactive.request_id in [r.request_id for r in batch.requests]
+    assert batch_lines[1] not in sched.running  # the latest gave its seat
+    outputs = run_to_completion(sched)
+    assert all(outputs[s.request_id][-1].finished for s in batch_lines)
+    assert outputs[interactive.request_id][-1].finished
+
+
+def test_batch_work_sits_out_the_steps_an_interactive_request_starts_in():
+    sched = scheduler(max_num_seqs=8, budget=64)
+    batch_lines = [seq(4, tenant="a", priority=protocol.BATCH_PRIORITY, max_tokens=8)
+                   for _ in range(3)]
+    for s in batch_lines:
+        sched.add(s)
+    sched.postprocess(first := sched.schedule(), fake_tokens(first))
+    interactive = seq(6, tenant="b", priority=5, max_tokens=3)
+    sched.add(interactive)
+    starting = sched.schedule()  # its prefill runs alone
+    assert [r.request_id for r in starting.requests] == [interactive.request_id]
+    sched.postprocess(starting, fake_tokens(starting))
+    after = {r.request_id for r in sched.schedule().requests}  # past its first token
+    assert after == {interactive.request_id, *(s.request_id for s in batch_lines)}
+
+
+def test_an_interactive_request_short_of_kv_blocks_takes_them_from_batch_work():
+    sched = scheduler(num_blocks=6, block_size=4, max_num_seqs=8, budget=64)
+    hog = seq(16, tenant="a", priority=protocol.BATCH_PRIORITY, max_tokens=8)
+    sched.add(hog)
+    sched.postprocess(first := sched.schedule(), fake_tokens(first))
+    interactive = seq(12, tenant="b", priority=5, max_tokens=2)
+    sched.add(interactive)
+    outputs = run_to_completion(sched)
+    assert outputs[interactive.request_id][-1].finished
+    assert outputs[hog.request_id][-1].finished
+
+
+def test_batch_work_takes_a_short_share_of_each_step():
+    from engine.spare_capacity import BATCH_STEP_TOKENS
+
+    sched = scheduler(max_num_seqs=64, budget=512, num_blocks=512)
+    for _ in range(20):
+        sched.add(seq(8, tenant="a", priority=protocol.BATCH_PRIORITY, max_tokens=4))
+    interactive = seq(40, tenant="b", priority=5, max_tokens=4)
+    steps = []
+    for _ in range(60):
+        if not sched.has_unfinished():
+            break
+        batch = sched.schedule()
+        steps.append(batch)
+        sched.postprocess(batch, fake_tokens(batch))
+        if len(steps) == 3:
+            sched.add(interactive)
+    for batch in steps:
+        batch_tokens = sum(len(r.token_ids) for r in batch.requests
+                           if r.request_id != interactive.request_id)
+        assert batch_tokens <= BATCH_STEP_TOKENS
+    assert not sched.has_unfinished()  # and all of it still finishes

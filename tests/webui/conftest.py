@@ -40,6 +40,7 @@ class World:
 
 def _objects(tenant, owner) -> dict[str, int]:
     from adapters.models import Adapter
+    from batches.services import file_create
     from billing.models import Budget, Export, Invoice, WebhookEndpoint
     from billing.services import usage_records_write
     from requestlogs.services import RequestLogEntry, request_log_record
@@ -69,9 +70,13 @@ def _objects(tenant, owner) -> dict[str, int]:
                                    token_limit=10**6)
     endpoint = WebhookEndpoint.objects.create(tenant=tenant, url="https://hooks.test/",
                                               secret="whsec_")
+    upload = file_create(tenant=tenant, filename="in.jsonl", purpose="batch", data=(
+        b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+        b'"body": {"model": "m", "prompt": "hi"}}\n'))
     return {"key_id": key.pk, "invoice_id": invoice.pk, "export_id": export.pk,
             "adapter_id": adapter.pk, "request_id": rid, "invitation_id": invitation.pk,
-            "member_id": member.pk, "budget_id": budget.pk, "endpoint_id": endpoint.pk}
+            "member_id": member.pk, "budget_id": budget.pk, "endpoint_id": endpoint.pk,
+            "file_id": upload.id}
 
 
 def build_world() -> World:

@@ -34,6 +34,8 @@ TENANT_OPERATIONS = {
     ("budget-delete", "post"): "budget.manage",
     ("webhook-create", "post"): "webhook.manage",
     ("webhook-delete", "post"): "webhook.manage",
+    ("batches", "get"): "batch.read",
+    ("file-download", "get"): "batch.read",
     ("adapters", "get"): "adapter.read",
     ("adapters", "post"): "adapter.create",
     ("adapter-delete", "post"): "adapter.delete",
@@ -59,7 +61,7 @@ OBJECT_OF = {"key-revoke": "key_id", "key-rotate": "key_id", "invoice": "invoice
              "export-download": "export_id", "adapter-delete": "adapter_id",
              "log": "request_id", "member-role": "member_id", "member-remove": "member_id",
              "invitation-revoke": "invitation_id", "budget-delete": "budget_id",
-             "webhook-delete": "endpoint_id"}
+             "webhook-delete": "endpoint_id", "file-download": "file_id"}
 # What a permitted POST sends (a valid form, so the service really runs).
 FORMS = {
     "keys": {"name": "k", "scopes": ["inference"]},
