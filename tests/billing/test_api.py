@@ -276,7 +276,7 @@ def test_one_requests_charge_is_found_by_the_id_its_client_got(acme, owner):
         "occurred_at": START + 4 * DAY, "billing_period": "2026-03-01", "model": "m",
         "adapter": "", "api_key_id": None, "api_key_prefix": "", "finish_reason": "",
         "input_tokens": 1000, "input_cached_tokens": 200, "output_tokens": 7,
-        "amount": {"value": "0.000914", "currency": "USD"}}
+        "price_class": "interactive", "amount": {"value": "0.000914", "currency": "USD"}}
     assert owner.get("/api/v1/tenants/acme/usage/requests/cmpl-0a1b2c").json()[
         "request_id"] == "0a1b2c"
     for unknown in ("chatcmpl-0a1b", "cmpl-5f3c", "5f3c0"):
