@@ -27,6 +27,9 @@ BATCH_RUN = "inference.tasks.batch_run"
 PURPOSES = ("batch",)
 WINDOWS = {"24h": timedelta(hours=24)}
 ACTIVE = (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING)
+# What a runner takes up, its own or a dead one's: finalizing too (a runner that died
+# writing the files leaves the batch there).
+RESUMABLE = (*ACTIVE, Batch.Status.FINALIZING)
 
 
 def _new_id(prefix: str) -> str:
@@ -169,7 +172,7 @@ def batch_cancel(*, tenant, batch_id: str) -> Batch:
 def batch_claim(*, batch_id: str) -> Batch | None:
     """Takes the batch for this runner, when it is active and nobody holds it."""
     now = timezone.now()
-    claimed = Batch.objects.filter(pk=batch_id, status__in=ACTIVE).filter(
+    claimed = Batch.objects.filter(pk=batch_id, status__in=RESUMABLE).filter(
         _lease_free(now)).update(runner_lease_until=now + _lease())
     if not claimed:
         return None
@@ -255,14 +258,15 @@ def batch_finalize(*, batch_id: str) -> Batch:
     expired when it was stopped (what ran is in its output either way)."""
     now = timezone.now()
     batch = Batch.objects.select_related("tenant").get(pk=batch_id)
-    if batch.status not in ACTIVE and batch.status != Batch.Status.FINALIZING:
+    if batch.status not in RESUMABLE:
         return batch
     final = {Batch.Status.CANCELLING: Batch.Status.CANCELLED}.get(batch.status)
     if final is None:
         final = Batch.Status.EXPIRED if now >= batch.expires_at and BatchLine.objects.filter(
             batch=batch, status=BatchLine.Status.PENDING).exists() else Batch.Status.COMPLETED
-    Batch.objects.filter(pk=batch_id).update(status=Batch.Status.FINALIZING,
-                                             finalizing_at=now)
+    if final != Batch.Status.CANCELLED:  # a cancelling batch stays so until it is cancelled
+        Batch.objects.filter(pk=batch_id).update(status=Batch.Status.FINALIZING,
+                                                 finalizing_at=now)
     batch.status = final
     out, errors = _output_lines(batch)
     fields: dict[str, Any] = {"status": final, f"{final}_at": timezone.now(),
@@ -284,7 +288,7 @@ def batch_finalize(*, batch_id: str) -> Batch:
 def batches_resume() -> int:
     """Queues a runner for every active batch nobody holds (its runner died, or its task
     was lost); returns how many."""
-    ids = list(Batch.objects.filter(status__in=ACTIVE).filter(
+    ids = list(Batch.objects.filter(status__in=RESUMABLE).filter(
         _lease_free(timezone.now())).values_list("pk", flat=True)[:100])
     for batch_id in ids:
         batch_run_enqueue(batch_id=batch_id)

@@ -252,3 +252,27 @@ def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(
     errors = [json.loads(e) for e in client.files.content(done.error_file_id).text.splitlines()]
     assert {(e["custom_id"], e["error"]["code"]) for e in errors} == \
         {("late-1", "batch_expired"), ("late-2", "batch_expired")}
+
+
+def test_a_batch_left_finalizing_by_a_dead_runner_is_finished_by_the_next(api_server,
+                                                                          served_model):
+    from batches import services as batch_services
+
+    acme = make_tenant_key("acme")
+    client = client_for(api_server, acme.key)
+    source = client.files.create(file=("in.jsonl", jsonl(chat_line("only", served_model))),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    line = BatchLine.objects.get(batch_id=batch.id)
+    batch_services.line_record(line_id=line.pk, ok=True, status_code=200,
+                               response={"id": "chatcmpl-x", "object": "chat.completion"},
+                               error=None)
+    # Its runner died writing the files: finalizing, its lease lapsed, no output yet.
+    Batch.objects.filter(pk=batch.id).update(status="finalizing", runner_lease_until=None)
+    assert batch_services.batches_resume() == 1
+    assert run(batch.id) == "ran"
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 1
+    (output,) = client.files.content(done.output_file_id).text.splitlines()
+    assert json.loads(output)["custom_id"] == "only"
