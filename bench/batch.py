@@ -8,12 +8,15 @@ round), each request's time to first token measured by the client. Rounds:
 - *with batch*: the same traffic while a --lines-line batch runs (submitted through
   files.create and batches.create, and running before the traffic starts);
 
-alternate (--rounds of each), and the figure is each kind's median round. Then another
-batch of --lines runs with no interactive traffic, and its throughput is measured: lines
-and completion tokens a second, from its creation to its completion.
+alternate (--rounds of each; each round its own seeded schedule, the same for both
+kinds); each *with batch* round submits a fresh batch and cancels it when the round ends,
+so no *alone* round has a batch running. The figures pool each kind's requests over its
+rounds (a round's p95 is a handful of requests). Then another batch of --lines runs with
+no interactive traffic, and its throughput is measured: lines and completion tokens a
+second, from its creation to its completion.
 Writes bench/results/batch.json.
 
-    .venv/bin/python bench/batch.py --lines 2000 --rate 4 --seconds 40 --rounds 3
+    .venv/bin/python bench/batch.py --lines 2000 --rate 4 --seconds 40 --rounds 4
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ async def _interactive(base: str, key: str, rate: float, seconds: float, seed: i
     await asyncio.gather(*tasks)
     await client.close()
     return {"requests": i, "failures": failures, "ttft_p50_s": _pct(ttfts, 0.5),
-            "ttft_p95_s": _pct(ttfts, 0.95)}
+            "ttft_p95_s": _pct(ttfts, 0.95), "ttfts": ttfts}
 
 
 def _batch_file(lines: int) -> bytes:
@@ -110,6 +113,15 @@ def _wait_done(client, batch_id: str) -> None:
         time.sleep(0.5)
 
 
+def _stop_batch(client, batch_id: str) -> int:
+    """Cancels the batch and waits for it to end: the next *alone* round runs with none.
+    Returns how many of its lines were answered."""
+    if client.batches.retrieve(batch_id).status == "in_progress":
+        client.batches.cancel(batch_id)
+    _wait_done(client, batch_id)
+    return client.batches.retrieve(batch_id).request_counts.completed
+
+
 def _throughput(client, lines: int) -> dict[str, float]:
     """A fresh batch's pace with no interactive traffic, from its creation to its end."""
     batch_id = _submit(client, lines).id
@@ -135,16 +147,20 @@ def _throughput(client, lines: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=2000)
-    parser.add_argument("--rate", type=float, default=2.0)
+    parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--seconds", type=float, default=40.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="ATRIUM_BATCH_CONCURRENCY for the run (default: the setting's)")
     args = parser.parse_args()
     from openai import OpenAI
 
     home = Path(tempfile.mkdtemp(prefix="atrium-bench-batch-"))
     port = _port()
     base = f"http://127.0.0.1:{port}"
-    proc, lines, _ = _start(home, port)
+    extra = {} if args.concurrency is None else {
+        "ATRIUM_BATCH_CONCURRENCY": str(args.concurrency)}
+    proc, lines, _ = _start(home, port, extra)
     try:
         key = re.search(r"\(shown once\): (atr_\w+)", "".join(lines)).group(1)
         subprocess.run([str(BIN / "atrium"), "set-limits", "demo", "--requests-per-minute",
@@ -154,40 +170,44 @@ def main() -> None:
         client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
         asyncio.run(_interactive(base, key, args.rate, 5, seed=0))  # warm up
         rounds: dict[str, list[dict]] = {"alone": [], "with_batch": []}
-        batch = None
         for r in range(args.rounds):
             rounds["alone"].append(asyncio.run(
-                _interactive(base, key, args.rate, args.seconds, seed=1)))
-            if batch is None or client.batches.retrieve(batch.id).status != "in_progress":
-                batch = _submit(client, args.lines)
-                _wait_running(client, batch.id)
+                _interactive(base, key, args.rate, args.seconds, seed=1 + r)))
+            batch = _submit(client, args.lines)
+            _wait_running(client, batch.id)
             rounds["with_batch"].append(asyncio.run(
-                _interactive(base, key, args.rate, args.seconds, seed=1)))
-            print(f"round {r}: {rounds['alone'][-1]} | {rounds['with_batch'][-1]}",
-                  flush=True)
-        _wait_done(client, batch.id)
+                _interactive(base, key, args.rate, args.seconds, seed=1 + r)))
+            rounds["with_batch"][-1]["batch_lines_done"] = _stop_batch(client, batch.id)
+            print(f"round {r}: p95 alone {rounds['alone'][-1]['ttft_p95_s']:.4f} with batch "
+                  f"{rounds['with_batch'][-1]['ttft_p95_s']:.4f}", flush=True)
         throughput = _throughput(client, args.lines)
     finally:
         _stop(proc)
 
-    def median(kind: str, field: str) -> float | None:
-        values = [x[field] for x in rounds[kind] if x[field] is not None]
-        return round(statistics.median(values), 4) if values else None
+    def pooled(kind: str, q: float) -> float | None:
+        value = _pct([t for x in rounds[kind] for t in x["ttfts"]], q)
+        return None if value is None else round(value, 4)
 
-    alone, loaded = median("alone", "ttft_p95_s"), median("with_batch", "ttft_p95_s")
+    alone, loaded = pooled("alone", 0.95), pooled("with_batch", 0.95)
+    figures = {f"ttft_p{int(q * 100)}_{label}_s": pooled(kind, q) for q in (0.5, 0.99)
+               for kind, label in (("alone", "alone"), ("with_batch", "with_batch"))}
+    for kind in rounds:
+        for x in rounds[kind]:
+            x.pop("ttfts")
     result = {
         "interactive_rate_per_s": args.rate, "interactive_seconds": args.seconds,
-        "batch_lines": args.lines,
+        "rounds_each": args.rounds, "batch_lines": args.lines,
+        "batch_concurrency": args.concurrency,
         "ttft_p95_alone_s": alone, "ttft_p95_with_batch_s": loaded,
         "ttft_p95_increase": None if not alone or loaded is None else
         round(loaded / alone - 1, 3),
-        "ttft_p50_alone_s": median("alone", "ttft_p50_s"),
-        "ttft_p50_with_batch_s": median("with_batch", "ttft_p50_s"),
+        **figures,
         "interactive_failures": sum(x["failures"] for k in rounds for x in rounds[k]),
         "batch_throughput_light": throughput, "rounds": rounds, "machine": machine(),
     }
     print(json.dumps(result, indent=2))
-    write_result("batch", result)
+    write_result("batch" if args.concurrency is None else f"batch_c{args.concurrency}",
+                 result)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,11 @@ def _env(home: Path) -> dict[str, str]:
     return {**env, "ATRIUM_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{env['PATH']}"}
 
 
-def _start(home: Path, port: int) -> tuple[subprocess.Popen, list[str], float]:
+def _start(home: Path, port: int, extra_env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen, list[str], float]:
     began = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "atrium"), "up", "--port", str(port)], env=_env(home),
+    proc = subprocess.Popen([str(BIN / "atrium"), "up", "--port", str(port)],
+                            env={**_env(home), **(extra_env or {})},
                             cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[str] = []

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -16,27 +17,36 @@ from batches.models import Batch, File
 from core.errors import ApiError, InvalidRequest
 from inference.auth import authenticate
 from inference.views import json_body
-from tenants.facade import Principal, tenant_of
+from tenants.facade import Principal, Tenant, tenant_of
 
-Handler = Callable[..., Awaitable[HttpResponse]]
+# (request, the caller's principal, its tenant, the URL's arguments) -> the answer
+Handler = Callable[..., HttpResponse]
 
 
 def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
-    """One URL's view from a handler per method, each given the caller's principal;
-    OpenAI-shaped errors, no CSRF (the API authenticates by header)."""
+    """One URL's view from a handler per method. A handler is synchronous: it runs off the
+    event loop in one hop, with the caller's tenant looked up in the same hop. Errors are
+    OpenAI-shaped; no CSRF (the API authenticates by header)."""
+
+    def run(handler: Handler, request: HttpRequest, principal: Principal,
+            kwargs: dict[str, Any]) -> HttpResponse:
+        try:
+            return handler(request, principal, tenant_of(principal), **kwargs)
+        except ApiError as exc:
+            return exc.response()
 
     @csrf_exempt
     async def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        handler = handlers.get(request.method.lower())
         try:
-            handler = handlers.get(request.method.lower())
             if handler is None:
                 allowed = ", ".join(m.upper() for m in handlers)
                 raise ApiError(f"method {request.method} is not allowed here; use {allowed}",
                                status=405, code="method_not_allowed")
             principal = await authenticate(request.headers.get("Authorization"))
-            return await handler(request, principal, **kwargs)
         except ApiError as exc:
             return exc.response()
+        return await sync_to_async(run)(handler, request, principal, kwargs)
 
     return view
 
@@ -68,23 +78,26 @@ def batch_object(b: Batch) -> dict[str, Any]:
     }
 
 
-def _page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": items,
-            "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
-
-
-def _limit(request: HttpRequest, default: int = 20, most: int = 100) -> int:
+def _page(rows: QuerySet, request: HttpRequest, to_object: Callable[[Any], dict[str, Any]],
+          *, default: int = 20, most: int = 100) -> HttpResponse:
+    """A list page in OpenAI's shape: up to ``limit`` of ``rows`` (ordered, after any
+    ``after``), whether more follow, and the first and last ids."""
     raw = request.GET.get("limit", str(default))
     if not raw.isdigit() or not 1 <= int(raw) <= most:
         raise InvalidRequest(f"limit must be a whole number from 1 to {most}", param="limit",
                              code="invalid_value")
-    return int(raw)
+    limit = int(raw)
+    found = [to_object(row) for row in rows[:limit + 1]]
+    items = found[:limit]
+    return JsonResponse({"object": "list", "data": items,
+                         "first_id": items[0]["id"] if items else None,
+                         "last_id": items[-1]["id"] if items else None,
+                         "has_more": len(found) > limit})
 
 
 # --- files ---------------------------------------------------------------------------------
 
-def _upload(request: HttpRequest, principal: Principal) -> File:
+def _file_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
     upload = request.FILES.get("file")
     if upload is None:
         raise InvalidRequest("'file' is required: a multipart upload of the file",
@@ -93,51 +106,33 @@ def _upload(request: HttpRequest, principal: Principal) -> File:
     if not purpose:
         raise InvalidRequest("'purpose' is required", param="purpose",
                              code="missing_required_parameter")
-    return batch_services.file_create(tenant=tenant_of(principal), filename=upload.name or "",
-                                      purpose=purpose, data=upload.read())
+    return JsonResponse(file_object(batch_services.file_create(
+        tenant=tenant, filename=upload.name or "", purpose=purpose, data=upload.read())))
 
 
-async def _file_create(request: HttpRequest, principal: Principal) -> HttpResponse:
-    created = await sync_to_async(_upload)(request, principal)
-    return JsonResponse(file_object(created))
+def _file_list(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
+    rows = batch_selectors.file_list(tenant=tenant, purpose=request.GET.get("purpose"),
+                                     after=request.GET.get("after"),
+                                     order=request.GET.get("order", "desc"))
+    return _page(rows, request, file_object, default=100, most=10_000)
 
 
-async def _file_list(request: HttpRequest, principal: Principal) -> HttpResponse:
-    limit = _limit(request, default=100, most=10_000)
-
-    def read() -> tuple[list[dict[str, Any]], bool]:
-        rows = batch_selectors.file_list(tenant=tenant_of(principal),
-                                         purpose=request.GET.get("purpose"),
-                                         after=request.GET.get("after"),
-                                         order=request.GET.get("order", "desc"))[:limit + 1]
-        found = [file_object(f) for f in rows]
-        return found[:limit], len(found) > limit
-
-    items, more = await sync_to_async(read)()
-    return JsonResponse(_page(items, more))
+def _file_get(request: HttpRequest, principal: Principal, tenant: Tenant,
+              file_id: str) -> HttpResponse:
+    return JsonResponse(file_object(batch_services.file_get(tenant=tenant, file_id=file_id)))
 
 
-async def _file_get(request: HttpRequest, principal: Principal, file_id: str) -> HttpResponse:
-    found = await sync_to_async(batch_services.file_get)(
-        tenant=await sync_to_async(tenant_of)(principal), file_id=file_id)
-    return JsonResponse(file_object(found))
-
-
-async def _file_delete(request: HttpRequest, principal: Principal,
-                       file_id: str) -> HttpResponse:
-    await sync_to_async(batch_services.file_delete)(
-        tenant=await sync_to_async(tenant_of)(principal), file_id=file_id)
+def _file_delete(request: HttpRequest, principal: Principal, tenant: Tenant,
+                 file_id: str) -> HttpResponse:
+    batch_services.file_delete(tenant=tenant, file_id=file_id)
     return JsonResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-async def _file_content(request: HttpRequest, principal: Principal,
-                        file_id: str) -> HttpResponse:
-    def open_() -> tuple[File, Any]:
-        found = batch_services.file_get(tenant=tenant_of(principal), file_id=file_id)
-        return found, batch_services.file_content(found)
-
-    found, handle = await sync_to_async(open_)()
-    response = StreamingHttpResponse(_chunks(handle), content_type="application/jsonl")
+def _file_content(request: HttpRequest, principal: Principal, tenant: Tenant,
+                  file_id: str) -> HttpResponse:
+    found = batch_services.file_get(tenant=tenant, file_id=file_id)
+    response = StreamingHttpResponse(_chunks(batch_services.file_content(found)),
+                                     content_type="application/jsonl")
     response["Content-Length"] = str(found.bytes)
     response["Content-Disposition"] = f'attachment; filename="{found.id}.jsonl"'
     return response
@@ -159,7 +154,7 @@ file_content = methods(get=_file_content)
 
 # --- batches -------------------------------------------------------------------------------
 
-async def _batch_create(request: HttpRequest, principal: Principal) -> HttpResponse:
+def _batch_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
     body = json_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_value")
@@ -172,41 +167,27 @@ async def _batch_create(request: HttpRequest, principal: Principal) -> HttpRespo
         if not isinstance(body.get(name), str):
             raise InvalidRequest(f"'{name}' is required, a string", param=name,
                                  code="missing_required_parameter")
-
-    def create() -> Batch:
-        return batch_services.batch_create(
-            tenant=tenant_of(principal), api_key_id=principal.api_key_id,
-            input_file_id=body["input_file_id"], endpoint=body["endpoint"],
-            completion_window=body["completion_window"], metadata=body.get("metadata"))
-
-    batch = await sync_to_async(create)()
-    return JsonResponse(batch_object(batch))
+    return JsonResponse(batch_object(batch_services.batch_create(
+        tenant=tenant, api_key_id=principal.api_key_id, input_file_id=body["input_file_id"],
+        endpoint=body["endpoint"], completion_window=body["completion_window"],
+        metadata=body.get("metadata"))))
 
 
-async def _batch_list(request: HttpRequest, principal: Principal) -> HttpResponse:
-    limit = _limit(request)
-
-    def read() -> tuple[list[dict[str, Any]], bool]:
-        rows = batch_selectors.batch_list(tenant=tenant_of(principal),
-                                          after=request.GET.get("after"))[:limit + 1]
-        found = [batch_object(b) for b in rows]
-        return found[:limit], len(found) > limit
-
-    items, more = await sync_to_async(read)()
-    return JsonResponse(_page(items, more))
+def _batch_list(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
+    rows = batch_selectors.batch_list(tenant=tenant, after=request.GET.get("after"))
+    return _page(rows, request, batch_object)
 
 
-async def _batch_get(request: HttpRequest, principal: Principal, batch_id: str) -> HttpResponse:
-    found = await sync_to_async(batch_services.batch_get)(
-        tenant=await sync_to_async(tenant_of)(principal), batch_id=batch_id)
-    return JsonResponse(batch_object(found))
+def _batch_get(request: HttpRequest, principal: Principal, tenant: Tenant,
+               batch_id: str) -> HttpResponse:
+    return JsonResponse(batch_object(batch_services.batch_get(tenant=tenant,
+                                                              batch_id=batch_id)))
 
 
-async def _batch_cancel(request: HttpRequest, principal: Principal,
-                        batch_id: str) -> HttpResponse:
-    found = await sync_to_async(batch_services.batch_cancel)(
-        tenant=await sync_to_async(tenant_of)(principal), batch_id=batch_id)
-    return JsonResponse(batch_object(found))
+def _batch_cancel(request: HttpRequest, principal: Principal, tenant: Tenant,
+                  batch_id: str) -> HttpResponse:
+    return JsonResponse(batch_object(batch_services.batch_cancel(tenant=tenant,
+                                                                 batch_id=batch_id)))
 
 
 batches = methods(post=_batch_create, get=_batch_list)

@@ -22,8 +22,8 @@ from tenants.selectors import principal_by_key_id, principal_from_api_key
 from tenants.services import audit_record
 
 __all__ = [
-    "Actor", "Limits", "Principal", "aauthenticate", "api_key_belongs", "api_key_prefixes",
-    "audit_record", "authenticate", "is_bearer", "principal_by_key_id",
+    "Actor", "Limits", "Principal", "Tenant", "aauthenticate", "api_key_belongs",
+    "api_key_prefixes", "audit_record", "authenticate", "is_bearer", "principal_by_key_id",
     "principal_from_api_key",
     "tenant_ids_existing", "tenant_of", "tenant_payer_emails", "tenant_plans", "tenant_slugs",
 ]

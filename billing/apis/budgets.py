@@ -51,6 +51,14 @@ def _budget(view: selectors.BudgetView) -> dict[str, Any]:
             "reserved_tokens": view.reserved_tokens}
 
 
+def budget_states(tenant_access) -> list[dict[str, Any]] | None:
+    """The tenant's budgets where they stand, for a caller who may read them (else None)."""
+    if not access.allowed(tenant_access, "budget.read"):
+        return None
+    views = selectors.budget_views(selectors.budget_list(tenant=tenant_access.tenant))
+    return BudgetSerializer([_budget(v) for v in views], many=True).data
+
+
 def _one(tenant, budget_id: int) -> dict[str, Any]:
     budget = selectors.budget_get(tenant=tenant, budget_id=budget_id)
     return _budget(selectors.budget_views([budget])[0])
@@ -64,8 +72,7 @@ class BudgetListApi(TenantApi):
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
         access.authorize(tenant_access, "budget.read")
-        views = selectors.budget_views(selectors.budget_list(tenant=tenant_access.tenant))
-        return Response(listing(BudgetSerializer([_budget(v) for v in views], many=True).data))
+        return Response(listing(budget_states(tenant_access)))
 
 
 class _Limits(StrictSerializer):

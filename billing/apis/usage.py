@@ -12,6 +12,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 
 from billing import selectors
+from billing.apis.budgets import BudgetSerializer, budget_states
 from billing.apis.common import MAX_UNIX_S, amount, query_dict
 from billing.money import to_micro
 from core.errors import InvalidRequest
@@ -73,6 +74,9 @@ class UsageListApi(TenantApi):
         data = UsageBucketSerializer(many=True)
         has_more = serializers.BooleanField()
         next_page = serializers.CharField(allow_null=True)
+        budgets = BudgetSerializer(many=True, allow_null=True, help_text=(
+            "where each of the tenant's budgets stands now (the open window's spend, tokens "
+            "and reservations); null for a caller who may not read budgets (budget.read)"))
 
     @extend_schema(tags=["usage"], summary="The tenant's usage and cost in time buckets, "
                    "grouped (modelled on OpenAI's usage API)", responses=OutputSerializer,
@@ -132,7 +136,8 @@ class UsageListApi(TenantApi):
         } for b in buckets]
         has_more = page_end < end
         return Response({"object": "page", "data": data, "has_more": has_more,
-                         "next_page": str(page_end) if has_more else None})
+                         "next_page": str(page_end) if has_more else None,
+                         "budgets": budget_states(tenant_access)})
 
 
 @extend_schema_serializer(component_name="UsageRecord")

@@ -220,7 +220,7 @@ ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
 # its options as JSON; django-storages' S3Storage with a bucket_name, say).
 ATRIUM_FILE_MAX_BYTES = int(os.environ.get("ATRIUM_FILE_MAX_BYTES", str(100 * 1024 * 1024)))
 ATRIUM_BATCH_MAX_LINES = int(os.environ.get("ATRIUM_BATCH_MAX_LINES", "50000"))
-ATRIUM_BATCH_CONCURRENCY = int(os.environ.get("ATRIUM_BATCH_CONCURRENCY", "16"))
+ATRIUM_BATCH_CONCURRENCY = int(os.environ.get("ATRIUM_BATCH_CONCURRENCY", "4"))
 ATRIUM_BATCH_LEASE_S = float(os.environ.get("ATRIUM_BATCH_LEASE_S", "60"))
 ATRIUM_FILES_DIR = Path(os.environ.get("ATRIUM_FILES_DIR", ATRIUM_HOME / "files"))
 try:

@@ -54,6 +54,22 @@ def test_budgets_are_set_read_changed_and_removed_with_their_state(owner, redis_
     assert list(Budget.objects.values_list("scope", flat=True)) == ["user"]
 
 
+def test_the_usage_api_shows_where_budgets_stand_to_whoever_may_read_them(owner, redis_client):
+    tenant, client, _ = owner
+    client.post("/api/v1/tenants/acme/budgets", {
+        "scope": "tenant", "window": "month", "spend_limit": "10"}, format="json")
+    label, _, _ = budgets.window_bounds("month")
+    redis_client.hset(budgets.counter_key(tenant.pk, "t:-", label),
+                      mapping={"s": 4_000_000, "rs": 500_000, "t": 1200})
+    usage = client.get("/api/v1/tenants/acme/usage", {"start_time": 0}).json()
+    assert [(b["scope"], b["spend_limit"], b["spent"], b["reserved"], b["tokens"])
+            for b in usage["budgets"]] == [("tenant", "10.00", "4.000000", "0.500000", 1200)]
+    viewer = APIClient()
+    viewer.force_login(member_factory(tenant, Role.VIEWER, email="viewer@acme.test"))
+    seen = viewer.get("/api/v1/tenants/acme/usage", {"start_time": 0})
+    assert seen.status_code == 200 and seen.json()["budgets"] is None  # no budget.read
+
+
 @pytest.mark.parametrize("payload, param", [
     ({"scope": "tenant", "window": "day"}, "spend_limit"),
     ({"scope": "tenant", "window": "year", "token_limit": 1}, "window"),
