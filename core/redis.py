@@ -11,8 +11,11 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+from engine.redis_connect import RedisTarget
 
 # NOTE: after Redis restarts, every pooled connection is dead; one retry on a fresh
 # connection makes the first command after the restart succeed instead of failing
@@ -27,12 +30,19 @@ def _options() -> dict:
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
             "client_name": f"atrium-{os.getpid()}"}
 
+def redis_target() -> RedisTarget:
+    """The platform's Redis: REDIS_URL, or the master the sentinels name."""
+    return RedisTarget(url=settings.REDIS_URL, sentinels=settings.ATRIUM_REDIS_SENTINELS,
+                       master=settings.ATRIUM_REDIS_SENTINEL_MASTER,
+                       sentinel_password=settings.ATRIUM_REDIS_SENTINEL_PASSWORD)
+
+
 # By loop id, with the loop: a new loop may reuse a closed one's id (a worker's tasks each
 # run their own loop), and must not get a client whose connections belong to the old one.
 _async_clients: dict[int, tuple[asyncio.AbstractEventLoop, aioredis.Redis]] = {}
 
 
-class QueuedConnectionPool(aioredis.ConnectionPool):
+class _Queued:
     """At most ``max_connections``; past that a command waits its turn (first come, first
     served) for up to ``wait_s`` instead of failing.
 
@@ -73,6 +83,14 @@ class QueuedConnectionPool(aioredis.ConnectionPool):
             self._slots.release()
 
 
+class QueuedConnectionPool(_Queued, aioredis.ConnectionPool):
+    pass
+
+
+class QueuedSentinelPool(_Queued, SentinelConnectionPool):
+    """The same, for the master Redis Sentinel names (engine/redis_connect.py)."""
+
+
 def async_client() -> aioredis.Redis:
     """A client bound to the running event loop (pools cannot cross loops).
 
@@ -84,17 +102,16 @@ def async_client() -> aioredis.Redis:
     held = _async_clients.get(id(loop))
     client = held[1] if held is not None and held[0] is loop else None
     if client is None:
-        pool = QueuedConnectionPool.from_url(
-            settings.REDIS_URL, max_connections=settings.ATRIUM_REDIS_MAX_CONNECTIONS,
+        client = redis_target().async_client(
+            pool_class=QueuedConnectionPool, sentinel_pool_class=QueuedSentinelPool,
+            max_connections=settings.ATRIUM_REDIS_MAX_CONNECTIONS,
             wait_s=settings.ATRIUM_REDIS_POOL_TIMEOUT_S,
             retry=AsyncRetry(ExponentialBackoff(cap=0.2, base=0.05), _RETRIES), **_options())
-        client = aioredis.Redis.from_pool(pool)
         _async_clients[id(loop)] = (loop, client)
     return client
 
 
 @cache
 def sync_client() -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.REDIS_URL, retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), _RETRIES),
-        **_options())
+    return redis_target().client(
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), _RETRIES), **_options())

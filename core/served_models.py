@@ -200,17 +200,21 @@ def load_served_model(path: Path, name: str) -> ServedModel:
     )
 
 
-def model_path_and_name() -> tuple[Path, str]:
-    """Where the served model lives and what clients call it."""
+def model_paths() -> dict[str, Path]:
+    """What clients call each served model, and where it lives: ATRIUM_MODELS (several),
+    else ATRIUM_MODEL (one), else the demo model. The first is the default base model."""
+    if settings.ATRIUM_MODELS:
+        return {name: Path(folder).expanduser().resolve()
+                for name, folder in settings.ATRIUM_MODELS.items()}
     if settings.ATRIUM_MODEL:
         path = Path(settings.ATRIUM_MODEL).expanduser().resolve()
-        return path, settings.ATRIUM_MODEL_NAME or path.name
+        return {settings.ATRIUM_MODEL_NAME or path.name: path}
     from engine.demo_model import ensure_demo_model  # builds once, then only a path lookup
 
-    return ensure_demo_model(settings.ATRIUM_HOME), settings.ATRIUM_MODEL_NAME or DEMO_MODEL_NAME
+    return {settings.ATRIUM_MODEL_NAME or DEMO_MODEL_NAME: ensure_demo_model(
+        settings.ATRIUM_HOME)}
 
 
 @cache
 def served_models() -> dict[str, ServedModel]:
-    path, name = model_path_and_name()
-    return {name: load_served_model(path, name)}
+    return {name: load_served_model(path, name) for name, path in model_paths().items()}

@@ -75,8 +75,14 @@ class _Batch:
 
 
 class EventWriter:
-    def __init__(self, client: redis.Redis, stream: str, *, engine_id: str) -> None:
+    def __init__(self, client: redis.Redis, stream: str, *, engine_id: str,
+                 wait_replicas: int = 0, wait_ms: int = 100) -> None:
         self.client = client
+        # With replicas (Redis Sentinel): a batch that reports usage is confirmed by this
+        # many of them (WAIT) before it counts as written, so a failover right after it
+        # cannot lose a bill (docs/deploy.md#redis-high-availability).
+        self.wait_replicas = wait_replicas
+        self.wait_ms = wait_ms
         self.stream = stream
         self.open: dict[str, _Open] = {}  # accepted, not yet finished
         self.tokens_written = 0
@@ -87,8 +93,9 @@ class EventWriter:
         self._made = 0
         self._unsure = False  # an EXEC failed without a reply: it may have been applied
 
-    def accept(self, entry_id: bytes, request: protocol.EngineRequest, engine_id: str) -> None:
-        self.open[request.request_id] = _Open(entry_id, request)
+    def accept(self, entry_id: bytes, request: protocol.EngineRequest, engine_id: str,
+               first_seq: int = 0) -> None:
+        self.open[request.request_id] = _Open(entry_id, request, next_seq=first_seq)
         batch = self._batch()
         self._append(batch, request.request_id, protocol.EV_ACCEPTED, {"engine_id": engine_id})
         self._send(batch)
@@ -115,9 +122,9 @@ class EventWriter:
         self._send(batch)
 
     def finish_unstarted(self, entry_id: bytes, request_id: str, event_type: str,
-                         data: dict[str, Any], notify: str | None = None) -> None:
-        """A request that never entered the engine: its only event, at seq 0, no usage."""
-        event = protocol.Event(0, event_type, {**data, "usage": Usage().to_dict()})
+                         data: dict[str, Any], notify: str | None = None, seq: int = 0) -> None:
+        """A request that never entered the engine: its final event, no usage."""
+        event = protocol.Event(seq, event_type, {**data, "usage": Usage().to_dict()})
         self.write_final(entry_id, request_id, event, notify=notify)
 
     def write_final(self, entry_id: bytes, request_id: str, event: protocol.Event,
@@ -170,6 +177,8 @@ class EventWriter:
             pipe.set(self.marker_key, f"{self._epoch}:{batch.number}", ex=_MARKER_TTL_S)
             try:
                 replies = pipe.execute(raise_on_error=False)
+                if batch.reported and self.wait_replicas:
+                    self._confirm(batch)
             except UNREACHABLE:
                 self._unsure = True
                 raise
@@ -178,6 +187,17 @@ class EventWriter:
         for (command, _args, _kwargs), reply in zip(batch.commands, replies[:-1], strict=True):
             if isinstance(reply, redis.ResponseError):
                 log.warning("%s in a batch of events failed: %s", command.upper(), reply)
+
+    def _confirm(self, batch: _Batch) -> None:
+        """Waits for the replicas to hold ``batch``. The master gone meanwhile raises (the
+        batch is then unsure: the marker on whichever master answers next says whether it
+        survived the failover, and it is written again if not). Replicas merely late are
+        logged and passed: a master whose replica is down keeps serving."""
+        confirmed = self.client.wait(self.wait_replicas, self.wait_ms)
+        if confirmed < self.wait_replicas:
+            log.warning("batch %d of events (%d usage report(s)) reached %d of %d replica(s) "
+                        "within %d ms", batch.number, len(batch.reported), confirmed,
+                        self.wait_replicas, self.wait_ms)
 
     def _forget_applied(self) -> None:
         """Drops the held batches Redis already applied (their EXEC's reply was lost)."""

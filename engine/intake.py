@@ -51,8 +51,10 @@ class Intake:
             self.events.drop(entry_id)
         return None
 
-    def start(self, entry_id: bytes, request: protocol.EngineRequest) -> None:
-        """Accepts a request into the engine, or finishes it at once (cancelled, late, invalid)."""
+    def start(self, entry_id: bytes, request: protocol.EngineRequest, first_seq: int = 0) -> None:
+        """Accepts a request into the engine, or finishes it at once (cancelled, late,
+        invalid). ``first_seq``: the number of its first event here (a request a dead engine
+        had accepted continues its numbering, engine/recovery.py)."""
         rid = request.request_id
         if rid in self.events.open:
             log.warning("request %s is already running here; dropping entry %s", rid, entry_id)
@@ -87,9 +89,9 @@ class Intake:
                                     "cumulative_logprob": 0.0}
                                    for i in range(request.num_choices)]
             self.events.finish_unstarted(entry_id, rid, event_type, data,
-                                         notify=request.notify)
+                                         notify=request.notify, seq=first_seq)
         else:
-            self.events.accept(entry_id, request, self.engine_id)
+            self.events.accept(entry_id, request, self.engine_id, first_seq=first_seq)
 
 
 def _several_choices(request: protocol.EngineRequest) -> bool:

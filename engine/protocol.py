@@ -249,6 +249,7 @@ class EngineHeartbeat:
     running: int = 0
     waiting: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    draining: bool = False  # stopping: it takes no new request (engine/worker.py, drain)
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> str:

@@ -6,9 +6,11 @@ there long enough, a live engine claims it (XCLAIM with a minimum idle time, so
 two engines never both win) and then:
 
 - the events stream already ends in a final event → only XACK/XDEL the entry;
-- it has events but no final one (the dead engine accepted it) → append
+- it has a delta but no final event (the dead engine had streamed from it) → append
   ``error`` with code ``engine_lost``, continuing the seq, and XACK/XDEL;
-- it has no events (never accepted) → run it as if it had just arrived.
+- it has no delta (never accepted, or accepted and no token written yet) → run it as if
+  it had just arrived, its events numbered on from the last: its client, still waiting
+  for a first token, sees one answer (docs/protocol.md, "Recovery after an engine dies").
 
 NOTE: XPENDING + XCLAIM rather than XAUTOCLAIM: XAUTOCLAIM cannot tell a dead
 owner from a live one still generating a long answer, and would steal the latter.
@@ -90,6 +92,11 @@ class Recovery:
             events = []
         if events and events[-1].is_final:
             self.events.drop(entry_id)
+            return
+        if events and all(e.type == protocol.EV_ACCEPTED for e in events):
+            log.info("request %s: its engine died before its first token; running it here",
+                     request.request_id)
+            self.intake.start(entry_id, request, first_seq=events[-1].seq + 1)
             return
         made = sum(len(e.data.get("token_ids", [])) for e in events
                    if e.type == protocol.EV_DELTA)

@@ -38,11 +38,13 @@ from engine.events import UNREACHABLE, EventWriter
 from engine.intake import Intake
 from engine.outputs import EngineCore, RequestOutput, Usage
 from engine.recovery import Recovery
+from engine.redis_connect import RedisTarget
 
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Path], EngineCore]
 CANCELS_READ = 1000  # cancels read per step at most; the rest the step after
+LIVENESS_S = 60.0  # a loop stuck this long is not live (its probe fails)
 
 
 @dataclass(slots=True)
@@ -54,6 +56,8 @@ class WorkerConfig:
     # Redis unreachable this long: every request held is stopped (events_unavailable).
     publish_grace_s: float = protocol.PUBLISH_GRACE_S
     reconnect_wait_s: float = 0.1  # between tries while Redis does not answer
+    # Told to stop: takes nothing new and finishes what it holds for up to this long.
+    drain_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.idle_block_ms < 1:
@@ -62,11 +66,13 @@ class WorkerConfig:
             raise ValueError("recovery_interval_s must be > 0 and claim_min_idle_s >= 0")
         if self.publish_grace_s <= 0 or self.reconnect_wait_s <= 0:
             raise ValueError("publish_grace_s and reconnect_wait_s must be > 0")
+        if self.drain_s < 0:
+            raise ValueError("drain_s must be >= 0")
 
 
 class Worker:
     def __init__(self, client: redis.Redis, engine: EngineCore, *, model_name: str,
-                 engine_id: str, config: WorkerConfig) -> None:
+                 engine_id: str, config: WorkerConfig, wait_replicas: int = 0) -> None:
         self.client = client
         self.engine = engine
         self.model_name = model_name
@@ -74,7 +80,8 @@ class Worker:
         self.config = config
         self.stream = protocol.request_stream(model_name)
         self.cancels = protocol.cancels_stream(model_name)
-        self.events = EventWriter(client, self.stream, engine_id=engine_id)
+        self.events = EventWriter(client, self.stream, engine_id=engine_id,
+                                  wait_replicas=wait_replicas)
         self.intake = Intake(client, engine, self.events, model_name=model_name,
                              engine_id=engine_id)
         self.recovery = Recovery(client, self.events, self.intake, engine_id=engine_id,
@@ -91,6 +98,9 @@ class Worker:
         self._io_since = 0.0  # when the Redis calls under way began (monotonic)
         self._unreachable_since: float | None = None  # monotonic; None while Redis answers
         self._group_missing = False
+        self.draining = False  # stopping: takes nothing new (heartbeat says so)
+        self.registered = False  # a heartbeat went out since start-up
+        self.last_turn = time.monotonic()  # when the loop last went round (liveness)
 
     def run(self, stop: threading.Event) -> None:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
@@ -104,18 +114,38 @@ class Worker:
         self._next_recovery = time.monotonic() + self.config.recovery_interval_s
         try:
             while not stop.is_set():
-                try:
-                    self.tick()
-                except redis.ResponseError as exc:
-                    if "NOGROUP" not in str(exc):
-                        raise
-                    log.warning("consumer group missing on %s; creating it again", self.stream)
-                    self._group_missing = True
-                except UNREACHABLE as exc:
-                    self.unreachable(exc)
-                    stop.wait(self.config.reconnect_wait_s)
+                self.turn()
+            self.drain()
         finally:
             self.shutdown()
+
+    def turn(self) -> None:
+        """One turn of the loop, riding out what Redis does meanwhile."""
+        self.last_turn = time.monotonic()
+        try:
+            self.tick()
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("consumer group missing on %s; creating it again", self.stream)
+            self._group_missing = True
+        except UNREACHABLE as exc:
+            self.unreachable(exc)
+            time.sleep(self.config.reconnect_wait_s)
+
+    def drain(self) -> None:
+        """Told to stop: takes no new request and finishes those it holds, for up to
+        ``drain_s``; shutdown then fails what is left (engine_shutdown). The heartbeat says
+        it drains, so the web tier sends it nothing more (docs/deploy.md, "Drain")."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_s
+        held = len(self.events.open)
+        log.info("engine %s draining: %d request(s) to finish within %.0f s", self.engine_id,
+                 held, self.config.drain_s)
+        with contextlib.suppress(*UNREACHABLE):
+            self.heartbeat()
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            self.turn()
 
     def tick(self) -> None:
         self._io_since = now = time.monotonic()
@@ -127,17 +157,27 @@ class Worker:
             self._group_missing = False
         if now >= self._next_heartbeat:
             self.heartbeat()
-        if now >= self._next_recovery:
+        if now >= self._next_recovery and not self.draining:
             self.recovery.run()
             self.read_adapter_events()
             self._next_recovery = now + self.config.recovery_interval_s
-        self.take()
+        if not self.draining:
+            self.take()
         self.abort_cancelled()
         if self.engine.has_unfinished():
             outputs = self.engine.step()
             self._io_since = time.monotonic()
             self.events.publish(outputs)
             self.steps += 1
+
+    def health(self) -> tuple[bool, bool]:
+        """(live, ready) for the probes: live while the loop goes round (a forward pass
+        takes well under LIVENESS_S); ready once registered, while Redis answers and it
+        does not drain."""
+        live = time.monotonic() - self.last_turn < LIVENESS_S
+        ready = live and self.registered and not self.draining \
+            and self._unreachable_since is None
+        return live, ready
 
     def unreachable(self, exc: Exception) -> None:
         """Redis did not answer: past the grace period, stops every request held."""
@@ -199,6 +239,7 @@ class Worker:
         beat = protocol.EngineHeartbeat(
             engine_id=self.engine_id, model=self.model_name, started_at=self.started_at,
             sent_at=now, running=self.engine.num_running(), waiting=self.engine.num_waiting(),
+            draining=self.draining,
             stats={"steps": self.steps, "tokens_generated": self.events.tokens_written,
                    "requests_finished": self.events.finished, **self.engine_stats()})
         with self.client.pipeline(transaction=False) as pipe:
@@ -206,6 +247,7 @@ class Worker:
             pipe.set(protocol.engine_key(self.engine_id), beat.encode(),
                      ex=math.ceil(protocol.HEARTBEAT_TTL_S))
             pipe.execute()
+        self.registered = True
         self._next_heartbeat = time.monotonic() + protocol.HEARTBEAT_INTERVAL_S
 
     def engine_stats(self) -> dict[str, Any]:
@@ -324,6 +366,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-max-batch", type=int,
                         default=int(env("ATRIUM_SPECULATIVE_MAX_BATCH", "4")),
                         help="no sequence speculates while more than this many decode")
+    parser.add_argument("--drain-seconds", type=float,
+                        default=float(env("ATRIUM_DRAIN_S", "30")),
+                        help="on SIGTERM: take nothing new and finish what is held for up to "
+                             "this long, then stop (docs/deploy.md)")
     add_metrics_arguments(parser, "ATRIUM_METRICS_PORT")
 
 
@@ -404,15 +450,16 @@ def run_worker(*, redis_url: str, model_dir: Path, model_name: str,
     tracing.configure_from_env("atrium-engine")  # off unless the OTEL_* variables say so
     engine = (engine_factory or default_engine_factory)(Path(model_dir))
     config = config or WorkerConfig()
-    client = redis.Redis.from_url(redis_url, **redis_options(config))
-    worker = Worker(client, engine, model_name=model_name, engine_id=engine_id, config=config)
+    target = RedisTarget.from_env(redis_url)
+    client = target.client(**redis_options(config))
+    worker = Worker(client, engine, model_name=model_name, engine_id=engine_id, config=config,
+                    wait_replicas=target.wait_replicas)
     server = None
     if metrics_port:
         from engine.metrics_server import serve_metrics
 
-        server = serve_metrics(lambda: worker.last_snapshot, host=metrics_host,
-                               port=metrics_port,
-                               model_name=model_name, engine=engine_id)
+        server = serve_metrics(lambda: worker.last_snapshot, worker.health, host=metrics_host,
+                               port=metrics_port, model_name=model_name, engine=engine_id)
     try:
         worker.run(stop or threading.Event())
     finally:
@@ -445,6 +492,7 @@ def main(argv: list[str] | None = None) -> None:
     run_worker(redis_url=args.redis_url, model_dir=args.model_dir,
                model_name=args.model_name or args.model_dir.name, engine_id=args.engine_id,
                stop=stop, engine_factory=engine_factory_from_args(args),
+               config=WorkerConfig(drain_s=args.drain_seconds),
                metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 

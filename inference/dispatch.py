@@ -6,6 +6,7 @@ Speaks engine/protocol.py over Redis and nothing else: see docs/protocol.md.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from inference.errors import (
     ServiceUnavailable,
 )
 from inference.relay import Subscription
+
+log = logging.getLogger(__name__)
 
 # How long the relay waits on the events stream before it checks that the
 # engine (or, while queued, any engine) is still alive.
@@ -43,8 +46,8 @@ def _redis_lost() -> Iterator[None]:
 
 
 async def alive_engines(redis: aioredis.Redis, model: str) -> list[protocol.EngineHeartbeat]:
-    """The engines serving ``model`` whose heartbeat is fresh."""
-    return await _alive(redis, lambda beat: beat.model == model)
+    """The engines serving ``model`` whose heartbeat is fresh, less those draining."""
+    return await _alive(redis, lambda beat: beat.model == model and not beat.draining)
 
 
 async def _engine_alive(redis: aioredis.Redis, engine_id: str) -> bool:
@@ -116,6 +119,7 @@ class Dispatch:
         # No final event will come: cancelled while queued before any engine read it, or
         # its engine is gone (another engine's recovery settles it later).
         self._unreachable = False
+        self._streamed = False  # a delta was read: a lost engine now fails the request
 
     @property
     def final_read(self) -> bool:
@@ -225,6 +229,7 @@ class Dispatch:
         if event.type == protocol.EV_ACCEPTED:
             self.owner = event.data.get("engine_id")
         elif event.type == protocol.EV_DELTA:
+            self._streamed = True
             self.completion_tokens += len(event.data.get("token_ids") or ())
         if event.is_final:
             self.finished = True
@@ -233,11 +238,16 @@ class Dispatch:
             await self.redis.delete(protocol.events_stream(self.request.request_id))
 
     async def _check_liveness(self) -> None:
-        if self.owner is not None:
-            if not await _engine_alive(self.redis, self.owner):
+        if self.owner is not None and not await _engine_alive(self.redis, self.owner):
+            if self._streamed:
                 await self._give_up()
                 raise EngineFailed("the engine running this request stopped responding")
-        elif not await alive_engines(self.redis, self.request.model):
+            # It died before this request's first token: another engine's recovery runs it
+            # again (engine/recovery.py), and until then it waits as a queued one does.
+            log.info("request %s: engine %s died before its first token; waiting for "
+                     "another engine to run it", self.request.request_id, self.owner)
+            self.owner = None
+        if self.owner is None and not await alive_engines(self.redis, self.request.model):
             await self._give_up()
             raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
                                     "right now; retry shortly")

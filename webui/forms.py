@@ -85,6 +85,16 @@ class AdapterUploadForm(forms.Form):
     archive = forms.FileField(label="Adapter archive (.zip or .tar.gz)",
                               help_text="A PEFT folder: adapter_config.json and "
                                         "adapter_model.safetensors.")
+    base_model = forms.ChoiceField(label="Base model", help_text="The served model it was "
+                                   "trained on: requests for it run on that model's engines.")
+
+    def __init__(self, *args, **kwargs) -> None:
+        from core.served_models import served_models
+
+        super().__init__(*args, **kwargs)
+        names = list(served_models())
+        self.fields["base_model"].choices = [(n, n) for n in names]
+        self.fields["base_model"].initial = names[0]
 
 
 class LogFilterForm(forms.Form):

@@ -22,12 +22,19 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["atrium", "inference", "adapters", "billing", "requestlogs", "batches"])
 
 
-def celery_redis_url(redis_url: str) -> str:
+def celery_redis_url(redis_url: str, sentinels: tuple[tuple[str, int], ...] = ()) -> str:
     """The same Redis as ``redis_url``, spelled as kombu and Celery's backend read it.
 
     redis-py writes a unix socket as ``unix:///path?db=N``; kombu as
-    ``redis+socket:///path?virtual_host=N``.
+    ``redis+socket:///path?virtual_host=N``. With Sentinel, one ``sentinel://`` URL per
+    sentinel, joined by ";", with the master's password and database (the master's name
+    goes in the transport options).
     """
+    if sentinels:
+        parts = urlsplit(redis_url)
+        auth = f":{parts.password}@" if parts.password else ""
+        db = parts.path.lstrip("/") or "0"
+        return ";".join(f"sentinel://{auth}{host}:{port}/{db}" for host, port in sentinels)
     if not redis_url.startswith("unix://"):
         return redis_url
     parts = urlsplit(redis_url)
@@ -50,7 +57,8 @@ def check_broker(celery_app: Celery = app) -> None:
     found = {"broker_url": conf.broker_url, "broker_read_url": conf.broker_read_url,
              "broker_write_url": conf.broker_write_url, "result_backend": conf.result_backend}
     wrong = {name: url for name, url in found.items() if url != expected}
-    if wrong or not expected.startswith(("redis://", "rediss://", "redis+socket://")):
+    if wrong or not expected.startswith(("redis://", "rediss://", "redis+socket://",
+                                         "sentinel://")):
         raise ImproperlyConfigured(
             f"Celery must use the platform's Redis ({expected!r}, from REDIS_URL); found "
             + ", ".join(f"{name}={url!r}" for name, url in wrong.items())

@@ -189,18 +189,27 @@ def cmd_web(args: argparse.Namespace) -> None:
                 **server_options())
 
 
-def _model() -> tuple[Path, str]:
+def _model(name: str | None) -> tuple[Path, str]:
+    """The served model an engine serves: the one named, or the only one."""
     django_setup()
-    from core.served_models import model_path_and_name
+    from core.served_models import model_paths
 
-    return model_path_and_name()
+    paths = model_paths()
+    if name is None and len(paths) > 1:
+        sys.exit(f"atrium engine: several models are served ({', '.join(paths)}); name the "
+                 "one this engine serves with --model-name")
+    name = name or next(iter(paths))
+    if name not in paths:
+        sys.exit(f"atrium engine: {name!r} is not a served model ({', '.join(paths)}); "
+                 "give --model-dir to serve a folder under that name")
+    return paths[name], name
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
-    from engine.worker import engine_factory_from_args, run_worker
+    from engine.worker import WorkerConfig, engine_factory_from_args, run_worker
 
     path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
-        if args.model_dir else _model()
+        if args.model_dir else _model(args.model_name)
     django_setup()
     from django.conf import settings
 
@@ -211,6 +220,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     run_worker(redis_url=settings.REDIS_URL, model_dir=path, model_name=name,
                engine_id=args.engine_id, engine_factory=engine_factory_from_args(args),
+               config=WorkerConfig(drain_s=args.drain_seconds),
                metrics_port=args.metrics_port, metrics_host=args.metrics_host, stop=stop)
 
 
@@ -240,6 +250,16 @@ def cmd_worker(args: argparse.Namespace) -> None:
     app.worker_main(argv)
 
 
+def cmd_beat(args: argparse.Namespace) -> None:
+    """The periodic tasks' scheduler alone, for a deployment that runs workers with
+    --no-beat (one beat per deployment: two would run every task twice)."""
+    django_setup()
+    from atrium.celery import app
+
+    app.start(["beat", "--loglevel=INFO",
+               f"--schedule={atrium_home() / 'celerybeat-schedule'}"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.worker import add_engine_arguments, add_metrics_arguments
 
@@ -265,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     eng = sub.add_parser("engine", help="one engine worker")
     eng.add_argument("--model-dir", help="Hugging Face layout directory (default: ATRIUM_MODEL)")
-    eng.add_argument("--model-name")
+    eng.add_argument("--model-name", help="the served model this engine serves (default: the "
+                     "only one; with --model-dir: the folder's name)")
     eng.add_argument("--engine-id")
     add_engine_arguments(eng)
     eng.set_defaults(func=cmd_engine)
@@ -281,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Batch API runners, each busy for the length of a batch)")
     add_metrics_arguments(worker, "ATRIUM_WORKER_METRICS_PORT")
     worker.set_defaults(func=cmd_worker)
+
+    beat = sub.add_parser("beat", help="Celery beat alone (for workers run with --no-beat)")
+    beat.set_defaults(func=cmd_beat)
 
     mig = sub.add_parser("migrate", help="create or update the database tables")
     mig.add_argument("--verbosity", type=int, default=1)

@@ -17,6 +17,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from atrium.celery import REDIS_SCHEMES, celery_redis_url
+from engine.redis_connect import RedisTarget
 
 BASE_DIR = Path(__file__).resolve().parent
 ENVIRONMENT = os.environ.get("ATRIUM_ENV", "development")
@@ -125,10 +126,32 @@ REDIS_URL = REDIS_URL or "redis://127.0.0.1:6379/0"
 if not REDIS_URL.startswith(REDIS_SCHEMES):
     raise ImproperlyConfigured(
         f"REDIS_URL must start with one of {', '.join(REDIS_SCHEMES)}; got {REDIS_URL!r}")
+# Redis Sentinel, when ATRIUM_REDIS_SENTINELS names the sentinels: every client asks them
+# for the master (engine/redis_connect.py; docs/deploy.md#redis-high-availability).
+try:
+    _redis_target = RedisTarget.from_env(REDIS_URL)
+except ValueError as exc:
+    raise ImproperlyConfigured(str(exc)) from exc
+ATRIUM_REDIS_SENTINELS = _redis_target.sentinels
+ATRIUM_REDIS_SENTINEL_MASTER = _redis_target.master
+ATRIUM_REDIS_SENTINEL_PASSWORD = _redis_target.sentinel_password
 
 # The served model: a Hugging Face layout directory. Empty means the demo model.
 ATRIUM_MODEL = os.environ.get("ATRIUM_MODEL", "")
 ATRIUM_MODEL_NAME = os.environ.get("ATRIUM_MODEL_NAME", "")
+# Several base models at once, each its own engine pool: "name=folder,name=folder"
+# (docs/deploy.md#several-models). Either this or ATRIUM_MODEL, not both.
+ATRIUM_MODELS: dict[str, str] = {}
+for _entry in filter(None, (e.strip() for e in os.environ.get("ATRIUM_MODELS", "").split(","))):
+    _name, _, _folder = _entry.partition("=")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", _name) or not _folder \
+            or _name in ATRIUM_MODELS:
+        raise ImproperlyConfigured(
+            f"ATRIUM_MODELS: {_entry!r} is not name=folder (a name of letters, digits, '.', "
+            "'_' and '-', each once)")
+    ATRIUM_MODELS[_name] = _folder
+if ATRIUM_MODELS and ATRIUM_MODEL:
+    raise ImproperlyConfigured("set ATRIUM_MODELS or ATRIUM_MODEL, not both")
 # Upper bound on max_tokens per request, whatever the context window allows.
 ATRIUM_MAX_OUTPUT_TOKENS = int(os.environ.get("ATRIUM_MAX_OUTPUT_TOKENS", "4096"))
 # Upper bound on a request body, in bytes.
@@ -276,8 +299,13 @@ if ATRIUM_ENGINE_HOUR_COST is not None and not (ATRIUM_ENGINE_HOUR_COST.is_finit
 # Celery's broker and result backend are this Redis and nothing else: no CELERY_*
 # variable overrides it, and atrium.apps refuses to start a process in which Celery's
 # configuration names another (Celery's built-in default is amqp://localhost).
-CELERY_BROKER_URL = celery_redis_url(REDIS_URL)
+CELERY_BROKER_URL = celery_redis_url(REDIS_URL, ATRIUM_REDIS_SENTINELS)
 CELERY_RESULT_BACKEND = CELERY_BROKER_URL
+if ATRIUM_REDIS_SENTINELS:
+    _sentinel_transport = {"master_name": ATRIUM_REDIS_SENTINEL_MASTER, "sentinel_kwargs": {
+        k: v for k, v in (("password", ATRIUM_REDIS_SENTINEL_PASSWORD),) if v}}
+    CELERY_BROKER_TRANSPORT_OPTIONS = _sentinel_transport
+    CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = _sentinel_transport
 CELERY_TASK_IGNORE_RESULT = True  # tasks report through the database, never a result
 CELERY_TASK_ACKS_LATE = True
 # Batches run for minutes or hours: on a queue of their own, which `atrium worker` also

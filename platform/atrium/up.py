@@ -87,7 +87,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def _up(args: argparse.Namespace, home: Path) -> None:
-    demo_model = not os.environ.get("ATRIUM_MODEL")
+    demo_model = not os.environ.get("ATRIUM_MODEL") and not os.environ.get("ATRIUM_MODELS")
     if demo_model:
         from engine.demo_model import demo_model_dir, ensure_demo_model
 
@@ -98,11 +98,11 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     django_setup()
     from django.core.management import call_command
 
-    from core.served_models import model_path_and_name
+    from core.served_models import model_paths
 
     call_command("migrate", interactive=False, verbosity=0)
     api_key = _demo_key(another=args.new_key)
-    _, model_name = model_path_and_name()
+    models = list(model_paths())
 
     exe = [sys.executable, "-m", "atrium.cli"]
     web_metrics, engine_metrics, worker_metrics = (
@@ -111,7 +111,12 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     children = [
         subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port),
                                 *web_metrics]),
-        subprocess.Popen(exe + ["engine", *engine_metrics]),
+        # One engine per served model (the first one's metrics as above, the others' on
+        # the ports after the worker's). Stopping, an engine finishes what it holds while
+        # the web server waits for those streams, within the 15 s each process gets below.
+        *(subprocess.Popen(exe + ["engine", "--model-name", name, "--drain-seconds", "10",
+                                  *(engine_metrics if i == 0 else _extra_metrics(args, i))])
+          for i, name in enumerate(models)),
         subprocess.Popen(exe + ["worker", "--concurrency", "1", "--queues", "celery",
                                 *worker_metrics],
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
@@ -128,7 +133,7 @@ def _up(args: argparse.Namespace, home: Path) -> None:
         if not _wait_http(f"{base}/readyz", 300):
             raise SystemExit(f"atrium: not ready ({base}/readyz says what is missing: the "
                              "engine, the database or Redis); see the log above")
-        print(_banner(base, model_name, api_key, demo_model=demo_model,
+        print(_banner(base, models, api_key, demo_model=demo_model,
                       metrics_port=args.metrics_port), flush=True)
         while all(c.poll() is None for c in children):
             time.sleep(0.5)
@@ -153,13 +158,23 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
-def _metrics_lines(port: int) -> str:
-    return "\n".join(f"  {what:<8}http://{METRICS_HOST}:{port + offset}/metrics"
-                     for offset, what in enumerate(METRICS_OF))
+def _extra_metrics(args: argparse.Namespace, i: int) -> list[str]:
+    """The metrics flags of the engine of the (i+1)th served model, i >= 1."""
+    return ["--metrics-port", str(args.metrics_port + len(METRICS_OF) + i - 1),
+            "--metrics-host", METRICS_HOST]
 
 
-def _banner(base: str, model: str, key: str | None, *, demo_model: bool,
+def _metrics_lines(port: int, models: list[str]) -> str:
+    lines = [f"  {what:<8}http://{METRICS_HOST}:{port + offset}/metrics"
+             for offset, what in enumerate(METRICS_OF)]
+    lines += [f"  engine of {name}: http://{METRICS_HOST}:{port + len(METRICS_OF) + i}/metrics"
+              for i, name in enumerate(models[1:])]
+    return "\n".join(lines)
+
+
+def _banner(base: str, models: list[str], key: str | None, *, demo_model: bool,
             metrics_port: int) -> str:
+    model = models[0]
     if key:
         about_key = f"API key for tenant 'demo' (shown once): {key}"
     else:
@@ -178,8 +193,9 @@ Llama-family checkpoint in Hugging Face layout: ATRIUM_MODEL=/path/to/model make
     return f"""
 Atrium is up at {base}  (Ctrl-C stops everything)
 Console: {base}/console/
+Models: {", ".join(models)}
 Prometheus metrics (this machine only; docs/observability.md):
-{_metrics_lines(metrics_port)}
+{_metrics_lines(metrics_port, models)}
 {about_key}
 {about_model}
 curl -N {base}/v1/chat/completions \\

@@ -96,7 +96,7 @@ def start_worker(engine_redis_url: str, tiny_model_dir: Path, redis_client: redi
     started: list[RunningWorker] = []
 
     def start(engine_id: str = "engine-a", model_name: str = "tiny", **kwargs) -> RunningWorker:
-        kwargs.setdefault("config", WorkerConfig(idle_block_ms=20))
+        kwargs.setdefault("config", WorkerConfig(idle_block_ms=20, drain_s=0))
         stop, errors = threading.Event(), []
 
         def target() -> None:

@@ -31,8 +31,9 @@ def _flags(monkeypatch, **env: str) -> argparse.Namespace:
 
 @contextmanager
 def _served(latest: Callable[[], dict[str, Any] | None], *, model_name: str = "tiny",
-            engine: str = "e1") -> Iterator[int]:
-    server = serve_metrics(latest, port=0, model_name=model_name, engine=engine)
+            engine: str = "e1", health: Callable[[], tuple[bool, bool]] = lambda: (True, True)
+            ) -> Iterator[int]:
+    server = serve_metrics(latest, health, port=0, model_name=model_name, engine=engine)
     try:
         yield server.server_address[1]
     finally:
@@ -56,12 +57,28 @@ def _value(samples: list[Sample], name: str, **labels: str) -> float | None:
 def test_metrics_listen_on_loopback_by_default(monkeypatch):
     monkeypatch.delenv("ATRIUM_METRICS_HOST", raising=False)
     assert _flags(monkeypatch).metrics_host == "127.0.0.1"
-    server = serve_metrics(lambda: None, port=0, model_name="tiny", engine="e1")
+    server = serve_metrics(lambda: None, lambda: (True, True), port=0, model_name="tiny",
+                           engine="e1")
     try:
         assert server.server_address[0] == "127.0.0.1"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("live, ready", [(True, True), (True, False), (False, False)])
+def test_the_probes_answer_what_the_worker_says_of_its_health(live, ready):
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with _served(lambda: None, health=lambda: (live, ready)) as port:
+        assert (status("/livez"), status("/readyz")) == (200 if live else 503,
+                                                         200 if ready else 503)
+        assert status("/nothing") == 404
 
 
 def test_an_operator_may_open_metrics_to_other_hosts(monkeypatch):

@@ -263,6 +263,48 @@ def test_stopping_mid_request_ends_it_with_an_engine_shutdown_error(start_worker
     assert_queue_empty(redis_client)
 
 
+def _beat(client: redis.Redis, engine_id: str) -> protocol.EngineHeartbeat | None:
+    raw = client.get(protocol.engine_key(engine_id))
+    return None if raw is None else protocol.EngineHeartbeat.decode(raw)
+
+
+def test_a_draining_engine_finishes_what_it_holds_and_leaves_new_work_to_others(
+        start_worker, redis_client):
+    worker = start_worker(config=WorkerConfig(idle_block_ms=20, drain_s=60))
+    held = make_request(PROMPT, max_tokens=60, ignore_eos=True)
+    submit(redis_client, held)
+    read_events(redis_client, held.request_id, until=lambda e: e.type == protocol.EV_DELTA)
+    worker.stop.set()  # SIGTERM
+    deadline = time.monotonic() + 10
+    while not getattr(_beat(redis_client, "engine-a"), "draining", False):
+        assert time.monotonic() < deadline, "the heartbeat never said it drains"
+        time.sleep(0.01)
+    later = make_request(PROMPT, max_tokens=4)
+    submit(redis_client, later)
+    final = read_events(redis_client, held.request_id)[-1]
+    assert final.type == protocol.EV_FINISH and final.data["usage"]["completion_tokens"] == 60
+    worker.thread.join(10)
+    assert not worker.thread.is_alive() and _beat(redis_client, "engine-a") is None
+    assert redis_client.zscore(protocol.ENGINES_ZSET, "engine-a") is None
+    assert redis_client.xlen(protocol.events_stream(later.request_id)) == 0  # not taken
+    start_worker("engine-b")
+    assert read_events(redis_client, later.request_id)[-1].type == protocol.EV_FINISH
+
+
+def test_what_a_drain_cannot_finish_by_its_deadline_ends_with_engine_shutdown(
+        start_worker, redis_client):
+    worker = start_worker(config=WorkerConfig(idle_block_ms=20, drain_s=0.5))
+    request = make_request(PROMPT, **LONG)
+    submit(redis_client, request)
+    read_events(redis_client, request.request_id, until=lambda e: e.type == protocol.EV_DELTA)
+    began = time.monotonic()
+    worker.shutdown()
+    final = read_events(redis_client, request.request_id)[-1]
+    assert final.type == protocol.EV_ERROR and final.data["code"] == "engine_shutdown"
+    assert 0.5 <= time.monotonic() - began < 8
+    assert_queue_empty(redis_client)
+
+
 def _left_by_dead_engine(client: redis.Redis, request: protocol.EngineRequest) -> None:
     """Queues the request and has engine "dead" read it, with no heartbeat ever."""
     stream = protocol.request_stream("tiny")
@@ -274,7 +316,8 @@ def _left_by_dead_engine(client: redis.Redis, request: protocol.EngineRequest) -
 RECOVER_FAST = WorkerConfig(idle_block_ms=20, recovery_interval_s=0.1, claim_min_idle_s=0.05)
 
 
-def test_accepted_request_of_a_dead_engine_gets_engine_lost(start_worker, redis_client):
+def test_a_request_its_dead_engine_had_streamed_from_gets_engine_lost(start_worker,
+                                                                     redis_client):
     request = make_request(PROMPT, max_tokens=5)
     _left_by_dead_engine(redis_client, request)
     events = protocol.events_stream(request.request_id)
@@ -287,6 +330,28 @@ def test_accepted_request_of_a_dead_engine_gets_engine_lost(start_worker, redis_
     assert [(e.seq, e.type) for e in got][-1] == (2, protocol.EV_ERROR)
     assert got[-1].data["code"] == "engine_lost"
     assert got[-1].data["usage"]["completion_tokens"] == 2
+    assert_queue_empty(redis_client)
+
+
+def _usage_reports(client: redis.Redis, request_id: str) -> int:
+    return sum(protocol.UsageReport.decode(fields).request_id == request_id
+               for _, fields in client.xrange(protocol.USAGE_STREAM))
+
+
+def test_a_request_its_dead_engine_accepted_but_wrote_no_token_for_runs_again(
+        start_worker, redis_client):
+    request = make_request(PROMPT, max_tokens=4, ignore_eos=True)
+    _left_by_dead_engine(redis_client, request)
+    redis_client.xadd(protocol.events_stream(request.request_id), protocol.Event(
+        0, protocol.EV_ACCEPTED, {"engine_id": "dead"}).encode())
+    start_worker(config=RECOVER_FAST)
+    events = read_events(redis_client, request.request_id)
+    assert [(e.seq, e.type, e.data.get("engine_id")) for e in events[:2]] == [
+        (0, protocol.EV_ACCEPTED, "dead"), (1, protocol.EV_ACCEPTED, "engine-a")]
+    assert [e.seq for e in events] == list(range(len(events)))  # one numbering, no gap
+    assert events[-1].type == protocol.EV_FINISH
+    assert events[-1].data["usage"]["completion_tokens"] == 4
+    assert _usage_reports(redis_client, request.request_id) == 1  # billed once
     assert_queue_empty(redis_client)
 
 
@@ -322,8 +387,10 @@ def test_restart_under_the_same_engine_id_settles_its_own_leftovers(start_worker
     redis_client.xadd(protocol.events_stream(request.request_id),
                       protocol.Event(0, protocol.EV_ACCEPTED, {"engine_id": "engine-a"}).encode())
     start_worker()  # default config: recovery of others only after 15 s
-    final = read_events(redis_client, request.request_id, timeout=5)[-1]
-    assert (final.seq, final.data["code"]) == (1, "engine_lost")
+    events = read_events(redis_client, request.request_id, timeout=5)
+    # Its earlier life wrote no token: it runs again, numbered on from the last event.
+    assert (events[1].seq, events[1].type) == (1, protocol.EV_ACCEPTED)
+    assert events[-1].type == protocol.EV_FINISH
     assert_queue_empty(redis_client)
 
 

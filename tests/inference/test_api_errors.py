@@ -157,6 +157,18 @@ def test_stale_heartbeat_counts_as_no_engine(api_server, tenant_key, served_mode
     _assert_error(r, 503, "engine_unavailable")
 
 
+def test_an_engine_that_drains_takes_no_new_request(api_server, tenant_key, served_model,
+                                                    redis_client):
+    beat = protocol.EngineHeartbeat(engine_id="leaving", model=served_model,
+                                    started_at=time.time() - 100, sent_at=time.time(),
+                                    draining=True)
+    redis_client.zadd(protocol.ENGINES_ZSET, {"leaving": beat.sent_at})
+    redis_client.set(protocol.engine_key("leaving"), beat.encode())
+    r = _post(api_server, CHAT, tenant_key.key, json=_chat(served_model))
+    _assert_error(r, 503, "engine_unavailable")
+    _assert_nothing_queued(redis_client, served_model)
+
+
 def test_wrong_method_is_405(api_server, tenant_key):
     r = httpx.get(f"{api_server}{CHAT}", headers={"Authorization": f"Bearer {tenant_key.key}"})
     _assert_error(r, 405, "method_not_allowed")

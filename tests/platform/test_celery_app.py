@@ -56,3 +56,43 @@ def test_a_unix_socket_keeps_its_database_in_kombus_spelling():
         "redis+socket:///tmp/r.sock?virtual_host=15"
     assert celery_redis_url("unix:///tmp/r.sock") == "redis+socket:///tmp/r.sock?virtual_host=0"
     assert celery_redis_url("rediss://h:6380/2") == "rediss://h:6380/2"
+
+
+def test_under_sentinel_celery_names_the_sentinels_and_the_master(tmp_path):
+    show = (SHOW_BROKER[:-1] + ", app.conf.broker_transport_options['master_name'], "
+            "app.conf.result_backend_transport_options['master_name'])")
+    shown = _run([sys.executable, "-c", show], tmp_path,
+                 REDIS_URL="redis://:pw@ignored:6379/2",
+                 ATRIUM_REDIS_SENTINELS="127.0.0.1:26379,127.0.0.1:26380",
+                 ATRIUM_REDIS_SENTINEL_MASTER="main")
+    assert shown.returncode == 0, shown.stderr
+    url = "sentinel://:pw@127.0.0.1:26379/2;sentinel://:pw@127.0.0.1:26380/2"
+    assert shown.stdout.split() == ["atrium", url, url, "main", "main"]
+
+
+def test_beat_alone_queues_the_periodic_tasks_and_stops_on_sigterm(tmp_path):
+    import signal
+    import time
+
+    import redis
+    from django.conf import settings
+
+    broker = redis.Redis.from_url(settings.REDIS_URL)
+    broker.delete("celery")  # the default queue: no worker reads it in this test
+    process = subprocess.Popen(
+        [sys.executable, "-m", "atrium.cli", "beat"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("CELERY_")},
+             "ATRIUM_HOME": str(tmp_path), "REDIS_URL": settings.REDIS_URL,
+             "DJANGO_SETTINGS_MODULE": "atrium.settings"})
+    try:
+        deadline = time.monotonic() + 60
+        while not broker.llen("celery"):  # a periodic task, sent (webhooks: every 5 s)
+            assert process.poll() is None, "beat exited"
+            assert time.monotonic() < deadline, "beat queued nothing in 60 s"
+            time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        broker.delete("celery")
+        broker.close()

@@ -148,7 +148,8 @@ def test_the_engines_metrics_line_keeps_its_url():
     from engine.metrics_server import serve_metrics
 
     with _captured("engine.metrics_server") as lines:
-        server = serve_metrics(lambda: None, port=0, model_name="m", engine="e")
+        server = serve_metrics(lambda: None, lambda: (True, True), port=0, model_name="m",
+                               engine="e")
     try:
         [line] = lines
         port = server.server_address[1]

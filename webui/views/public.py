@@ -42,7 +42,9 @@ def readyz(request: HttpRequest) -> HttpResponse:
         checks["redis"] = True
     except Exception:  # noqa: BLE001
         beats, checks["redis"] = [], False
-    engines = {name: sum(b.model == name for b in beats) for name in served_models()}
+    # An engine that drains takes no new request: it does not make its model ready.
+    engines = {name: sum(b.model == name and not b.draining for b in beats)
+               for name in served_models()}
     checks["engines"] = engines
     ready = checks["database"] and checks["redis"] and all(engines.values())
     return JsonResponse({"status": "ready" if ready else "unavailable", **checks},

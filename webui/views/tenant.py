@@ -263,8 +263,6 @@ def adapters(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
     """The tenant's adapters by name and version. POST: the upload form without scripts
     (one request, up to ATRIUM_MAX_BODY_BYTES); with scripts the page uploads in chunks
     through the adapter-uploads API and shows progress."""
-    from core.served_models import served_models
-
     tenant = tenant_access.tenant
     form = forms.AdapterUploadForm()
     if request.method == "POST":
@@ -275,7 +273,7 @@ def adapters(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
             try:
                 created = adapter_services.upload_archive(
                     tenant=tenant, name=form.cleaned_data["name"],
-                    base_model=next(iter(served_models())), data=archive, size=archive.size,
+                    base_model=form.cleaned_data["base_model"], data=archive, size=archive.size,
                     filename=archive.name, created_by=tenant_access.actor.label,
                     actor=tenant_access.actor)
             except ApiError as exc:

@@ -142,13 +142,15 @@
       event.preventDefault();
       const name = uploadForm.querySelector('[name="name"]').value.trim();
       const file = uploadForm.querySelector('[name="archive"]').files[0];
+      const baseModel = uploadForm.querySelector('[name="base_model"]').value;
       const button = uploadForm.querySelector('button[type="submit"]');
       if (!name || !file) { say("Give a name and choose an archive."); return; }
       button.disabled = true;
       uploading = true;
       try {
         const started = await send("POST", `${api}/adapter-uploads`,
-          JSON.stringify({ name, size: file.size, filename: file.name }),
+          JSON.stringify({ name, size: file.size, filename: file.name,
+                           base_model: baseModel }),
           { "Content-Type": "application/json" });
         if (started.status !== 201) throw new Error(errorOf(started));
         const upload = started.data;
