@@ -30,6 +30,7 @@ def _options() -> dict:
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
             "client_name": f"atrium-{os.getpid()}"}
 
+
 def redis_target() -> RedisTarget:
     """The platform's Redis: REDIS_URL, or the master the sentinels name."""
     return RedisTarget(url=settings.REDIS_URL, sentinels=settings.ATRIUM_REDIS_SENTINELS,
