@@ -10,24 +10,9 @@ free queue is therefore also the least-recently-used eviction order.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    """A full block's key: hash(parent key, its token ids, extra keys).
-
-    NOTE: a cryptographic hash, not ``hash()``: a tenant who could craft a collision
-    with another tenant's block would read that tenant's KV.
-    """
-    h = hashlib.sha256(parent or b"\0" * 32)
-    h.update(len(extra).to_bytes(4, "little"))
-    h.update(extra)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +54,10 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def cached_keys(self) -> list[bytes]:
+        """The keys of every block in the cache index (the heartbeat's prefix summary)."""
+        return list(self._cached)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)

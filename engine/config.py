@@ -22,9 +22,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
-    # Requests held waiting in the engine at most; the rest stay in the Redis stream for
-    # other engines. The scheduler is fair across tenants among those it holds.
-    max_waiting: int = 256
+    # Requests held waiting in the engine at most; the rest stay in the Redis streams, where
+    # an idle peer may take them (engine/streams.py). The scheduler is fair across tenants
+    # among those it holds.
+    max_waiting: int = 32
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings

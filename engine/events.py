@@ -24,7 +24,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -38,9 +38,17 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 _MARKER_TTL_S = 24 * 3600  # longer than any outage a held batch could outlive
 
 
+class Entry(NamedTuple):
+    """Where a request came from: its entry in a request stream (the model's, or an
+    engine's; docs/protocol.md)."""
+
+    stream: str
+    entry_id: bytes
+
+
 @dataclass(slots=True)
 class _Open:
-    entry_id: bytes  # the request's entry in the request stream
+    entry: Entry  # the request's entry, settled with its final event
     request: protocol.EngineRequest
     next_seq: int = 0
 
@@ -75,7 +83,7 @@ class _Batch:
 
 
 class EventWriter:
-    def __init__(self, client: redis.Redis, stream: str, *, engine_id: str,
+    def __init__(self, client: redis.Redis, *, engine_id: str,
                  wait_replicas: int = 0, wait_ms: int = 100) -> None:
         self.client = client
         # With replicas (Redis Sentinel): a batch that reports usage is confirmed by this
@@ -83,7 +91,6 @@ class EventWriter:
         # cannot lose a bill (docs/deploy.md#redis-high-availability).
         self.wait_replicas = wait_replicas
         self.wait_ms = wait_ms
-        self.stream = stream
         self.open: dict[str, _Open] = {}  # accepted, not yet finished
         self.tokens_written = 0
         self.finished = 0
@@ -93,9 +100,9 @@ class EventWriter:
         self._made = 0
         self._unsure = False  # an EXEC failed without a reply: it may have been applied
 
-    def accept(self, entry_id: bytes, request: protocol.EngineRequest, engine_id: str,
+    def accept(self, entry: Entry, request: protocol.EngineRequest, engine_id: str,
                first_seq: int = 0) -> None:
-        self.open[request.request_id] = _Open(entry_id, request, next_seq=first_seq)
+        self.open[request.request_id] = _Open(entry, request, next_seq=first_seq)
         batch = self._batch()
         self._append(batch, request.request_id, protocol.EV_ACCEPTED, {"engine_id": engine_id})
         self._send(batch)
@@ -121,13 +128,13 @@ class EventWriter:
                 self._append_final(batch, out, error_code)
         self._send(batch)
 
-    def finish_unstarted(self, entry_id: bytes, request_id: str, event_type: str,
+    def finish_unstarted(self, entry: Entry, request_id: str, event_type: str,
                          data: dict[str, Any], notify: str | None = None, seq: int = 0) -> None:
         """A request that never entered the engine: its final event, no usage."""
         event = protocol.Event(seq, event_type, {**data, "usage": Usage().to_dict()})
-        self.write_final(entry_id, request_id, event, notify=notify)
+        self.write_final(entry, request_id, event, notify=notify)
 
-    def write_final(self, entry_id: bytes, request_id: str, event: protocol.Event,
+    def write_final(self, entry: Entry, request_id: str, event: protocol.Event,
                     request: protocol.EngineRequest | None = None,
                     notify: str | None = None) -> None:
         """``request`` given: it had been accepted, so its usage is reported for billing."""
@@ -135,14 +142,23 @@ class EventWriter:
         batch.add_event(request_id, event, notify or (request and request.notify))
         if request is not None:
             self._report_usage(batch, request, event)
-        self._settle(batch, entry_id)
+        self._settle(batch, entry)
         self.finished += 1
         self._send(batch)
 
-    def drop(self, entry_id: bytes) -> None:
-        """Takes an entry off the stream and out of the pending list, writing nothing."""
+    def drop(self, entry: Entry) -> None:
+        """Takes an entry off its stream and out of the pending list, writing nothing."""
         batch = self._batch()
-        self._settle(batch, entry_id)
+        self._settle(batch, entry)
+        self._send(batch)
+
+    def move(self, entry: Entry, fields: Any, stream: str) -> None:
+        """Hands an entry read but never started to ``stream`` (an engine that drains gives
+        back what was placed on it), in one transaction: it is in exactly one place."""
+        batch = self._batch()
+        batch.add("xadd", stream, fields, maxlen=protocol.REQUEST_STREAM_MAXLEN,
+                  approximate=True)
+        self._settle(batch, entry)
         self._send(batch)
 
     def held_since(self) -> float | None:
@@ -252,9 +268,9 @@ class EventWriter:
                 data["choices"] = out.choices
             event = self._append(batch, out.request_id, protocol.EV_FINISH, data)
         self._report_usage(batch, state.request, event)
-        self._settle(batch, self.open.pop(out.request_id).entry_id)
+        self._settle(batch, self.open.pop(out.request_id).entry)
         self.finished += 1
 
-    def _settle(self, batch: _Batch, entry_id: bytes) -> None:
-        batch.add("xack", self.stream, protocol.ENGINE_GROUP, entry_id)
-        batch.add("xdel", self.stream, entry_id)
+    def _settle(self, batch: _Batch, entry: Entry) -> None:
+        batch.add("xack", entry.stream, protocol.ENGINE_GROUP, entry.entry_id)
+        batch.add("xdel", entry.stream, entry.entry_id)

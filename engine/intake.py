@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from engine import protocol
-from engine.events import EventWriter
+from engine.events import Entry, EventWriter
 from engine.outputs import EngineCore
 from engine.sampling_params import MAX_N
 
@@ -31,7 +31,7 @@ class Intake:
         self.model_name = model_name
         self.engine_id = engine_id
 
-    def decode(self, entry_id: bytes, fields: Any) -> protocol.EngineRequest | None:
+    def decode(self, entry: Entry, fields: Any) -> protocol.EngineRequest | None:
         """The entry's request, or None after dropping a malformed entry (and saying so)."""
         message = "malformed request entry"
         try:
@@ -40,25 +40,27 @@ class Intake:
                 raise ValueError("request_id must be a non-empty string")
             return request
         except Exception as exc:  # noqa: BLE001 - whatever a client wrote, the worker stays up
-            log.warning("dropping malformed request entry %s on %s", entry_id, self.events.stream)
+            log.warning("dropping malformed request entry %s on %s", entry.entry_id,
+                        entry.stream)
             if isinstance(exc, ValueError):
                 message = f"{message}: {exc}"[:300]
         request_id = _request_id_of(fields)
         if request_id and request_id not in self.events.open:
-            self.events.finish_unstarted(entry_id, request_id, protocol.EV_ERROR, {
+            self.events.finish_unstarted(entry, request_id, protocol.EV_ERROR, {
                 "code": protocol.ERROR_INVALID_REQUEST, "message": message})
         else:
-            self.events.drop(entry_id)
+            self.events.drop(entry)
         return None
 
-    def start(self, entry_id: bytes, request: protocol.EngineRequest, first_seq: int = 0) -> None:
+    def start(self, entry: Entry, request: protocol.EngineRequest, first_seq: int = 0) -> None:
         """Accepts a request into the engine, or finishes it at once (cancelled, late,
         invalid). ``first_seq``: the number of its first event here (a request a dead engine
         had accepted continues its numbering, engine/recovery.py)."""
         rid = request.request_id
         if rid in self.events.open:
-            log.warning("request %s is already running here; dropping entry %s", rid, entry_id)
-            self.events.drop(entry_id)
+            log.warning("request %s is already running here; dropping entry %s", rid,
+                        entry.entry_id)
+            self.events.drop(entry)
             return
         refusal = None
         if self.client.exists(protocol.cancel_key(rid)):
@@ -88,10 +90,10 @@ class Intake:
                 data["choices"] = [{"index": i, "finish_reason": data["finish_reason"],
                                     "cumulative_logprob": 0.0}
                                    for i in range(request.num_choices)]
-            self.events.finish_unstarted(entry_id, rid, event_type, data,
+            self.events.finish_unstarted(entry, rid, event_type, data,
                                          notify=request.notify, seq=first_seq)
         else:
-            self.events.accept(entry_id, request, self.engine_id, first_seq=first_seq)
+            self.events.accept(entry, request, self.engine_id, first_seq=first_seq)
 
 
 def _several_choices(request: protocol.EngineRequest) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVBlock, hash_block
+from engine.block_pool import BlockPool, KVBlock
+from engine.prefix_hash import hash_block
 from engine.sequence import Sequence
 
 

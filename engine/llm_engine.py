@@ -29,6 +29,7 @@ from engine.metrics import EngineMetrics
 from engine.model_runner import DTYPES, ModelRunner
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
+from engine.prefix_hash import PrefixSummary, cache_scope
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, usage_of
 from engine.sequence import Sequence
@@ -109,14 +110,13 @@ class LLMEngine:
         if adapter_hash is not None:
             self._check_adapter(request)
         self._check_id(request.request_id, (1 + len(extra)) * params.n)
-        scope = "\0".join((request.tenant_id, request.cache_salt,
-                           adapter_hash or request.adapter or ""))
         seq = Sequence(
             request_id=request.request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
             params=params, seed=params.seed if params.seed is not None else secrets.randbits(63),
             tenant_id=request.tenant_id, priority=request.priority,
-            cache_scope=scope.encode(), deadline=request.deadline,
-            adapter_hash=adapter_hash,
+            cache_scope=cache_scope(request.tenant_id, request.cache_salt,
+                                    adapter_hash or request.adapter),
+            deadline=request.deadline, adapter_hash=adapter_hash,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
         if (1 + len(extra)) * params.n > 1:
             parallel.start_group(seq, params.n, extra)
@@ -369,6 +369,15 @@ class LLMEngine:
             "time": time.time(),
             **self._adapter_snapshot(),
         }
+
+    def placement(self) -> dict[str, Any]:
+        """What the web tier places requests by (inference/routing.py): the prefixes cached
+        here, the adapters in host memory, how full the KV cache is, and how many requests
+        it holds at most (running and waiting)."""
+        summary = PrefixSummary.of(self.kv.pool.cached_keys(), self.config.block_size)
+        return {"prefix": summary.to_dict(), "kv_usage": round(self.kv.usage, 4),
+                "adapters": self.adapters.resident() if self.adapters is not None else [],
+                "seats": self.config.max_num_seqs + self.config.max_waiting}
 
     def _adapter_snapshot(self) -> dict[str, Any]:
         if self.adapters is None:

@@ -37,6 +37,20 @@ def request_stream(model: str) -> str:
     return f"{KEY_PREFIX}:requests:{model}"
 
 
+def engine_stream(engine_id: str) -> str:
+    """Stream of the requests the web tier placed on one engine (inference/routing.py).
+    Read by the same consumer group: the engine reads it first, and an idle engine of the
+    model may take entries it has not read (work stealing); after the engine is gone, its
+    peers' recovery takes what is left."""
+    return f"{KEY_PREFIX}:requests-for:{engine_id}"
+
+
+def engine_streams_key(model: str) -> str:
+    """The set of the model's engine streams (``engine_stream``): where recovery looks for
+    what a dead engine left."""
+    return f"{KEY_PREFIX}:engine-streams:{model}"
+
+
 def events_stream(request_id: str) -> str:
     """Stream of one request's events, written by the engine that runs it."""
     return f"{KEY_PREFIX}:events:{request_id}"
@@ -251,13 +265,27 @@ class EngineHeartbeat:
     stats: dict[str, Any] = field(default_factory=dict)
     draining: bool = False  # stopping: it takes no new request (engine/worker.py, drain)
     version: int = PROTOCOL_VERSION
+    # Entries in its ``engine_stream`` it has not read yet (they wait for room here, and
+    # an idle peer may take them).
+    queued: int = 0
+    # What requests are placed by (inference/routing.py): {"stream": true (it reads its
+    # ``engine_stream``), "prefix": a PrefixSummary as a dict, "adapters": content hashes in
+    # host memory, "kv_usage": 0..1, "seats": requests it holds at most, running and
+    # waiting}; without "stream" (an earlier version) requests reach it on the shared stream.
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
     def decode(cls, raw: str | bytes) -> EngineHeartbeat:
-        return cls(**json.loads(_text(raw)))
+        # NOTE: fields a newer engine adds are left out, so a fleet upgrades one process at
+        # a time (docs/deploy.md, "Upgrades").
+        known = {f.name for f in dataclasses.fields(cls)}
+        beat = cls(**{k: v for k, v in json.loads(_text(raw)).items() if k in known})
+        if not isinstance(beat.placement, dict):
+            beat.placement = {}
+        return beat
 
 
 def _text(value: str | bytes) -> str:

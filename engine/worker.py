@@ -24,7 +24,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,13 +35,19 @@ from redis.retry import Retry
 from engine import protocol, tracing
 from engine.events import UNREACHABLE, EventWriter
 from engine.intake import Intake
+from engine.options import (
+    EngineFactory,
+    add_engine_arguments,
+    default_engine_factory,
+    engine_factory_from_args,
+)
 from engine.outputs import EngineCore, RequestOutput, Usage
 from engine.recovery import Recovery
 from engine.redis_connect import RedisTarget
+from engine.streams import RequestStreams
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[Path], EngineCore]
 CANCELS_READ = 1000  # cancels read per step at most; the rest the step after
 LIVENESS_S = 60.0  # a loop stuck this long is not live (its probe fails)
 
@@ -78,14 +83,13 @@ class Worker:
         self.model_name = model_name
         self.engine_id = engine_id
         self.config = config
-        self.stream = protocol.request_stream(model_name)
+        self.streams = RequestStreams(client, model_name=model_name, engine_id=engine_id)
         self.cancels = protocol.cancels_stream(model_name)
-        self.events = EventWriter(client, self.stream, engine_id=engine_id,
-                                  wait_replicas=wait_replicas)
+        self.events = EventWriter(client, engine_id=engine_id, wait_replicas=wait_replicas)
         self.intake = Intake(client, engine, self.events, model_name=model_name,
                              engine_id=engine_id)
-        self.recovery = Recovery(client, self.events, self.intake, engine_id=engine_id,
-                                 claim_min_idle_s=config.claim_min_idle_s)
+        self.recovery = Recovery(client, self.events, self.intake, model_name=model_name,
+                                 engine_id=engine_id, claim_min_idle_s=config.claim_min_idle_s)
         self.started_at = time.time()
         self.steps = 0
         self._next_heartbeat = 0.0
@@ -104,8 +108,9 @@ class Worker:
 
     def run(self, stop: threading.Event) -> None:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
-        self.ensure_group()
+        self.streams.ensure_groups()
         self.heartbeat()
+        self.streams.register()
         self._adapter_events_id = self._last_entry_id(protocol.ADAPTER_EVENTS_STREAM)
         # NOTE: before any request is taken: a cancel older than this is found by the
         # request's cancel key when it is taken.
@@ -127,7 +132,8 @@ class Worker:
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            log.warning("consumer group missing on %s; creating it again", self.stream)
+            log.warning("a consumer group is missing on %s or %s; creating them again",
+                        self.streams.own, self.streams.shared)
             self._group_missing = True
         except UNREACHABLE as exc:
             self.unreachable(exc)
@@ -136,7 +142,8 @@ class Worker:
     def drain(self) -> None:
         """Told to stop: takes no new request and finishes those it holds, for up to
         ``drain_s``; shutdown then fails what is left (engine_shutdown). The heartbeat says
-        it drains, so the web tier sends it nothing more (docs/deploy.md, "Drain")."""
+        it drains, so the web tier sends it nothing more (docs/deploy.md, "Drain"), and
+        what was placed on it and not read goes to the model's other engines."""
         self.draining = True
         deadline = time.monotonic() + self.config.drain_s
         held = len(self.events.open)
@@ -153,7 +160,7 @@ class Worker:
         if self._unreachable_since is not None:
             self.reconnected()
         if self._group_missing:
-            self.ensure_group()
+            self.streams.ensure_groups()
             self._group_missing = False
         if now >= self._next_heartbeat:
             self.heartbeat()
@@ -202,9 +209,10 @@ class Worker:
     def reconnected(self) -> None:
         """Redis answers again, and has what was held: the engine takes up its work."""
         self.heartbeat()
-        self.ensure_group()  # gone if Redis came back without its data
+        self.streams.ensure_groups()  # gone if Redis came back without its data
+        self.streams.register()
         # Entries read but never started (a reply lost, a read cut short) are pending here.
-        running = {state.entry_id for state in self.events.open.values()}
+        running = {state.entry for state in self.events.open.values()}
         self.recovery.run(own=True, skip=running)
         log.warning("Redis answers again after %.1f s",
                     time.monotonic() - (self._unreachable_since or 0.0))
@@ -227,21 +235,16 @@ class Worker:
                 if fields.get(b"type") == b"deleted":
                     forget(fields.get(b"adapter_hash", b"").decode())
 
-    def ensure_group(self) -> None:
-        try:
-            self.client.xgroup_create(self.stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
     def heartbeat(self) -> None:
         now = time.time()
         beat = protocol.EngineHeartbeat(
             engine_id=self.engine_id, model=self.model_name, started_at=self.started_at,
             sent_at=now, running=self.engine.num_running(), waiting=self.engine.num_waiting(),
-            draining=self.draining,
+            draining=self.draining, queued=self.streams.queued(),
+            placement=self.placement(),
             stats={"steps": self.steps, "tokens_generated": self.events.tokens_written,
-                   "requests_finished": self.events.finished, **self.engine_stats()})
+                   "requests_finished": self.events.finished,
+                   "requests_stolen": self.streams.stolen, **self.engine_stats()})
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(protocol.ENGINES_ZSET, {self.engine_id: now})
             pipe.set(protocol.engine_key(self.engine_id), beat.encode(),
@@ -249,6 +252,16 @@ class Worker:
             pipe.execute()
         self.registered = True
         self._next_heartbeat = time.monotonic() + protocol.HEARTBEAT_INTERVAL_S
+        if self.draining:
+            # Again each heartbeat: a web process may place work here until it reads this one.
+            self.streams.hand_back(self.events)
+        else:
+            self.streams.see_peers()
+
+    def placement(self) -> dict[str, Any]:
+        """What the web tier places by; ``stream``: this engine reads its own stream."""
+        placement = getattr(self.engine, "placement", None)
+        return {"stream": True, **(placement() if placement is not None else {})}
 
     def engine_stats(self) -> dict[str, Any]:
         snapshot = getattr(self.engine, "snapshot", None)
@@ -260,17 +273,11 @@ class Worker:
 
     def take(self) -> None:
         """Reads new requests: blocking briefly when idle, not at all while generating."""
-        room = self.engine.room()
-        if room <= 0:
-            return
         block = None if self.engine.has_unfinished() else self.config.idle_block_ms
-        reply = self.client.xreadgroup(protocol.ENGINE_GROUP, self.engine_id,
-                                       {self.stream: ">"}, count=room, block=block)
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                request = self.intake.decode(entry_id, fields)
-                if request is not None:
-                    self.intake.start(entry_id, request)
+        for entry, fields in self.streams.read(self.engine.room(), block):
+            request = self.intake.decode(entry, fields)
+            if request is not None:
+                self.intake.start(entry, request)
 
     def abort_cancelled(self) -> None:
         """Stops the requests cancelled since the last step: one read of the model's
@@ -298,7 +305,8 @@ class Worker:
                 pipe.zrem(protocol.ENGINES_ZSET, self.engine_id)
                 pipe.delete(protocol.engine_key(self.engine_id), self.events.marker_key)
                 pipe.execute()
-            self.recovery.forget_consumer(self.engine_id)
+            for stream in self.recovery.streams():
+                self.recovery.forget_consumer(stream, self.engine_id)
         except redis.RedisError:
             log.warning("could not deregister engine %s cleanly", self.engine_id, exc_info=True)
         lost = [rid for batch in self.events.backlog for rid in batch.reported]
@@ -319,112 +327,6 @@ class Worker:
         out = self.engine.abort_request(request_id, reason)
         return out or RequestOutput(request_id, finished=True, finish_reason=reason,
                                     usage=Usage())
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, shared by ``python -m engine.worker`` and ``atrium engine``."""
-    env = os.environ.get
-    parser.add_argument("--engine", choices=("paged", "reference"),
-                        default=env("ATRIUM_ENGINE", "paged"),
-                        help="paged: continuous batching (default); reference: transformers, "
-                             "one request at a time")
-    parser.add_argument("--device", default=env("ATRIUM_DEVICE"),
-                        help="cpu or cuda[:N] (default: cuda when available)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        default=env("ATRIUM_DTYPE"),
-                        help="default: float32 on CPU, the checkpoint's dtype on CUDA")
-    parser.add_argument("--block-size", type=int, default=int(env("ATRIUM_BLOCK_SIZE", "16")))
-    parser.add_argument("--kv-cache-mib", type=int, default=int(env("ATRIUM_KV_CACHE_MIB", "512")),
-                        help="KV cache size on CPU (on CUDA: --gpu-memory-utilization)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=float(env("ATRIUM_GPU_MEMORY_UTILIZATION", "0.9")))
-    parser.add_argument("--max-num-seqs", type=int, default=int(env("ATRIUM_MAX_NUM_SEQS", "64")))
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=int(env("ATRIUM_MAX_NUM_BATCHED_TOKENS", "512")))
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--adapter-store", default=env("ATRIUM_ADAPTER_STORE"),
-                        help="folder of PEFT adapters by content hash (engine/lora/store.py); "
-                             "LoRA is served only with one")
-    parser.add_argument("--adapter-fetch-url", default=env("ATRIUM_ADAPTER_FETCH_URL", ""),
-                        help="download adapters the store lacks from the platform, e.g. "
-                             "http://web:8000/internal/adapters (token: ATRIUM_ENGINE_TOKEN)")
-    parser.add_argument("--max-loras", type=int, default=int(env("ATRIUM_MAX_LORAS", "8")),
-                        help="adapter slots on the device")
-    parser.add_argument("--max-lora-rank", type=int,
-                        default=int(env("ATRIUM_MAX_LORA_RANK", "64")))
-    parser.add_argument("--max-cpu-loras", type=int,
-                        default=int(env("ATRIUM_MAX_CPU_LORAS", "64")))
-    parser.add_argument("--pin-adapter", action="append", default=[], metavar="HASH",
-                        help="keep this adapter in a slot from start-up (repeatable)")
-    parser.add_argument("--speculative", default=env("ATRIUM_SPECULATIVE", "off"),
-                        help="speculative decoding: off, ngram (prompt lookup) or "
-                             "draft:PATH (a smaller checkpoint with this model's tokenizer; "
-                             "docs/speculative.md)")
-    parser.add_argument("--num-speculative-tokens", type=int,
-                        default=int(env("ATRIUM_SPECULATIVE_TOKENS", "4")),
-                        help="the most draft tokens a sequence verifies in a step")
-    parser.add_argument("--speculative-max-batch", type=int,
-                        default=int(env("ATRIUM_SPECULATIVE_MAX_BATCH", "4")),
-                        help="no sequence speculates while more than this many decode")
-    parser.add_argument("--drain-seconds", type=float,
-                        default=float(env("ATRIUM_DRAIN_S", "30")),
-                        help="on SIGTERM: take nothing new and finish what is held for up to "
-                             "this long, then stop (docs/deploy.md)")
-    add_metrics_arguments(parser, "ATRIUM_METRICS_PORT")
-
-
-def add_metrics_arguments(parser: argparse.ArgumentParser, port_variable: str) -> None:
-    """``--metrics-port`` (default: ``port_variable``, or 0: off) and ``--metrics-host``:
-    every process's Prometheus endpoint is set the same way (docs/observability.md)."""
-    env = os.environ.get
-    parser.add_argument("--metrics-port", type=int, default=int(env(port_variable) or "0"),
-                        help=f"serve Prometheus metrics on this port (default: "
-                             f"{port_variable}, or 0: off)")
-    parser.add_argument("--metrics-host", default=env("ATRIUM_METRICS_HOST") or "127.0.0.1",
-                        help="address the metrics endpoint listens on (default: "
-                             "ATRIUM_METRICS_HOST or loopback only; 0.0.0.0 for a scraper "
-                             "on another host)")
-
-
-def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
-    def factory(model_dir: Path) -> EngineCore:
-        import torch
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if args.engine == "reference":
-            from engine.reference import ReferenceEngine
-
-            return ReferenceEngine(model_dir, device=device)
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
-        from engine.models.model_config import ModelConfig
-
-        dtype = args.dtype
-        if dtype is None:
-            own = ModelConfig.from_dir(model_dir).dtype
-            dtype = own if device.startswith("cuda") and own in ("bfloat16", "float16") \
-                else "float32"
-        return LLMEngine(EngineConfig(
-            model_dir=model_dir, device=device, dtype=dtype, block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_mib * 2**20,
-            gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            adapter_store=Path(args.adapter_store) if args.adapter_store else None,
-            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            max_cpu_loras=args.max_cpu_loras, pinned_adapters=tuple(args.pin_adapter),
-            adapter_fetch_url=args.adapter_fetch_url,
-            engine_token=os.environ.get("ATRIUM_ENGINE_TOKEN", ""),
-            speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-            speculative_max_batch=args.speculative_max_batch))
-
-    return factory
-
-
-def default_engine_factory(model_dir: Path) -> EngineCore:
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    return engine_factory_from_args(parser.parse_args([]))(model_dir)
 
 
 def redis_options(config: WorkerConfig) -> dict[str, Any]:

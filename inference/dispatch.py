@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import redis
 import redis.asyncio as aioredis
+from django.conf import settings
 
 from core.metrics import ADMISSION_REJECTIONS
 from engine import protocol
@@ -23,6 +24,7 @@ from inference.errors import (
     ServiceUnavailable,
 )
 from inference.relay import Subscription
+from inference.routing import Placement, router
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class Dispatch:
         request.notify = subscription.attach(request.request_id)
         self.deadline = deadline
         self.entry_id: bytes | None = None
+        self.placement: Placement | None = None  # where routing.py queued it
         self.owner: str | None = None
         # No more work to stop: the final event was read, or the engine told to stop.
         self.finished = False
@@ -136,14 +139,19 @@ class Dispatch:
         return {"prompt_tokens": len(self.request.prompt_token_ids) if made else 0,
                 "cached_tokens": 0, "completion_tokens": made}
 
-    async def submit(self) -> None:
+    async def submit(self, session: str | None = None) -> None:
+        """Queues the request on the engine routing.py picks. ``session``: the
+        conversation it belongs to (its engine is preferred)."""
         with _redis_lost():
-            if not await alive_engines(self.redis, self.request.model):
+            if not (beats := await alive_engines(self.redis, self.request.model)):
                 ADMISSION_REJECTIONS.labels("no_engine", "model").inc()
                 raise NoEngineAvailable(f"no engine is serving model {self.request.model!r} "
                                         "right now; retry shortly")
+            self.placement = router(self.request.model).place(
+                self.request, beats, policy=settings.ATRIUM_ROUTING,
+                session=session or self.request.user)
             self.entry_id = await self.redis.xadd(
-                protocol.request_stream(self.request.model), self.request.encode(),
+                self.placement.stream, self.request.encode(),
                 maxlen=protocol.REQUEST_STREAM_MAXLEN, approximate=True)
 
     async def cancel(self) -> None:
@@ -151,7 +159,9 @@ class Dispatch:
         if self.finished:
             return
         self.finished = True
-        stream = protocol.request_stream(self.request.model)
+        self._started()
+        stream = self.placement.stream if self.placement else \
+            protocol.request_stream(self.request.model)
         queued = self.owner is None and self.entry_id is not None
         # NOTE: one MULTI: an engine either read the entry before (it is pending, and that
         # engine will see the cancel key and write a final event) or never will.
@@ -231,11 +241,18 @@ class Dispatch:
         elif event.type == protocol.EV_DELTA:
             self._streamed = True
             self.completion_tokens += len(event.data.get("token_ids") or ())
+            self._started()
         if event.is_final:
+            self._started()
             self.finished = True
             self.usage = event.data.get("usage") or {}
             self.subscription.close()
             await self.redis.delete(protocol.events_stream(self.request.request_id))
+
+    def _started(self) -> None:
+        """Its engine no longer has it waiting: placement stops counting it as work ahead."""
+        if self.placement is not None:
+            router(self.request.model).started(self.placement, self.request.request_id)
 
     async def _check_liveness(self) -> None:
         if self.owner is not None and not await _engine_alive(self.redis, self.owner):

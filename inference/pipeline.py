@@ -39,18 +39,19 @@ class Started:
 
 
 async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None,
-                batch_line: str | None = None) -> Started:
+                batch_line: str | None = None, session: str | None = None) -> Started:
     """Admits ``trace.body`` for ``trace.principal`` and queues it; fills in the trace.
 
     ``before_admit`` runs once the request is known to be valid, before it takes any quota:
     an entry point's own limit (the websocket's requests per socket) refuses there, so an
     invalid request never counts against it. ``batch_line``: a batch line's ledger key (the
-    batch runner's requests)."""
+    batch runner's requests). ``session``: the conversation's hint for placement (an
+    ``x-session-id`` header; inference/routing.py)."""
     began = time.perf_counter()
     # The process's own limit first (relay.py): a request past it costs nothing.
     subscription = event_hub().subscribe()
     try:
-        started = await _admitted(trace, subscription, before_admit, batch_line)
+        started = await _admitted(trace, subscription, before_admit, batch_line, session)
     except BaseException:
         subscription.close()
         raise
@@ -62,7 +63,7 @@ async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None,
 
 async def _admitted(trace: Trace, subscription: Subscription,
                     before_admit: Callable[[], None] | None,
-                    batch_line: str | None) -> Started:
+                    batch_line: str | None, session: str | None) -> Started:
     # A refused caller costs no tokenizing.
     limits = await service.precheck(trace.principal, trace.body)
     try:
@@ -75,6 +76,7 @@ async def _admitted(trace: Trace, subscription: Subscription,
         exc.headers = {**limits.headers(), **exc.headers}
         raise
     trace.prepared = prepared
+    prepared.session = session
     prepared.engine_request.traceparent = telemetry.traceparent(trace.span)
     if before_admit is not None:
         before_admit()

@@ -72,6 +72,8 @@ class Prepared:
     price: pricing.Quote = pricing.FREE  # what a token costs it, for its budgets
     # Completions with echo: each prompt's text, sent before each of its choices.
     echo: list[str] = field(default_factory=list)
+    # The conversation it belongs to, as the client said (x-session-id), for placement.
+    session: str | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -421,7 +423,7 @@ async def open_dispatch(prepared: Prepared, subscription: Subscription) -> Dispa
     dispatch = Dispatch(async_client(), prepared.engine_request,
                         deadline=prepared.engine_request.deadline or time.time(),
                         subscription=subscription)
-    await dispatch.submit()
+    await dispatch.submit(prepared.session)
     return dispatch
 
 

@@ -120,6 +120,17 @@ class TenantKey:
     key_id: int
 
 
+def request_streams(redis_client: redis_lib.Redis, model: str) -> list[str]:
+    """Every stream a request for ``model`` can wait on: the shared one and each engine's."""
+    engines = sorted(e.decode() for e in redis_client.smembers(protocol.engine_streams_key(model)))
+    return [protocol.request_stream(model), *map(protocol.engine_stream, engines)]
+
+
+def queued_requests(redis_client: redis_lib.Redis, model: str) -> int:
+    """Entries on the model's request streams, read or not (a settled one is deleted)."""
+    return sum(redis_client.xlen(s) for s in request_streams(redis_client, model))
+
+
 def make_tenant_key(slug: str = "acme") -> TenantKey:
     from tenants.services import api_key_create, tenant_create
 

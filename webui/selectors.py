@@ -283,6 +283,8 @@ class EngineRow:
     model: str
     running: int
     waiting: int
+    queued: int  # placed on it, unread in its stream
+    requests_stolen: int | None  # taken from busy peers' streams
     kv_usage: float  # 0..1
     kv_blocks_used: int | None
     kv_blocks_total: int | None
@@ -304,6 +306,7 @@ def engine_row(beat: protocol.EngineHeartbeat, *, now: float) -> EngineRow:
     engine = stats.get("engine") or {}
     return EngineRow(
         engine_id=beat.engine_id, model=beat.model, running=beat.running, waiting=beat.waiting,
+        queued=beat.queued, requests_stolen=stats.get("requests_stolen"),
         kv_usage=float(engine.get("kv_usage") or 0.0),
         kv_blocks_used=engine.get("kv_blocks_used"),
         kv_blocks_total=engine.get("kv_blocks_total"),

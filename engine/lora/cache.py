@@ -41,6 +41,9 @@ class AdapterCache:
     def __contains__(self, adapter_hash: str) -> bool:
         return adapter_hash in self._loaded
 
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
     def get(self, adapter_hash: str) -> LoRAAdapter:
         self._loaded.move_to_end(adapter_hash)
         return self._loaded[adapter_hash]

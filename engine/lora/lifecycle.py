@@ -91,6 +91,10 @@ class AdapterLifecycle:
                 "running": sorted(self.names.get(a, a) for a in self.slots.users),
                 "waiting": sorted(self.names.get(a, a) for a in queued)}
 
+    def resident(self) -> list[str]:
+        """The adapters in host memory (a slot is a copy away), as content hashes."""
+        return self.cache.loaded()
+
     def holds_request(self, request_id: str) -> bool:
         return any(s.request_id == request_id for w in self._loading.values() for s in w)
 

@@ -206,7 +206,8 @@ def _model(name: str | None) -> tuple[Path, str]:
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
-    from engine.worker import WorkerConfig, engine_factory_from_args, run_worker
+    from engine.options import engine_factory_from_args
+    from engine.worker import WorkerConfig, run_worker
 
     path, name = (Path(args.model_dir), args.model_name or Path(args.model_dir).name) \
         if args.model_dir else _model(args.model_name)
@@ -261,7 +262,7 @@ def cmd_beat(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.worker import add_engine_arguments, add_metrics_arguments
+    from engine.options import add_engine_arguments, add_metrics_arguments
 
     parser = argparse.ArgumentParser(prog="atrium", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -179,6 +179,11 @@ ATRIUM_SSE_KEEPALIVE_S = float(os.environ.get("ATRIUM_SSE_KEEPALIVE_S", "15"))
 ATRIUM_STREAM_STALL_S = float(os.environ.get("ATRIUM_STREAM_STALL_S", "30"))
 # Seconds a request may take end to end before it is stopped with 504.
 ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
+# How a request is placed on one of its model's engines (inference/routing.py): scored
+# (cached prefix, adapter, load, session), random, or shared (whichever engine reads first).
+ATRIUM_ROUTING = os.environ.get("ATRIUM_ROUTING", "scored")
+if ATRIUM_ROUTING not in ("scored", "random", "shared"):
+    raise ImproperlyConfigured("ATRIUM_ROUTING must be scored, random or shared")
 
 # LoRA adapters (docs/adapters.md): the content-addressed store the platform writes and
 # the engines read (a shared volume in production), and the largest rank accepted.

@@ -309,7 +309,10 @@ def test_network_policies_fence_engines_and_the_data_stores():
         assert selects(policies[policy]["spec"]["podSelector"]["matchLabels"], labels)
 
 
-def test_keda_scales_the_engine_pool_on_its_own_streams_lag():
+def test_keda_scales_the_engine_pool_on_the_backlog_no_engine_has_a_seat_for():
+    # The web tier places a request on one engine's own stream while one has a free seat,
+    # else on the model's shared stream (inference/routing.py): that stream's lag is the
+    # work the pool cannot hold.
     scaled = named("prod", "ScaledObject", "atrium-engine")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert named("prod", "Deployment", scaled["spec"]["scaleTargetRef"]["name"])

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, hash_block
+from engine.block_pool import BlockPool
+from engine.prefix_hash import hash_block
 
 
 def test_hash_depends_on_parent_tokens_and_extra_keys():

@@ -18,7 +18,7 @@ from prometheus_client.samples import Sample
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics_server import serve_metrics
-from engine.worker import add_engine_arguments
+from engine.options import add_engine_arguments
 
 
 def _flags(monkeypatch, **env: str) -> argparse.Namespace:

@@ -18,7 +18,7 @@ import redis
 from engine_testing import make_request, read_events, submit
 
 from engine import protocol
-from engine.events import EventWriter
+from engine.events import Entry, EventWriter
 from engine.outputs import RequestOutput, Usage
 from engine.worker import WorkerConfig, redis_options, run_worker
 from tests.redis_server import RedisServer
@@ -265,7 +265,7 @@ def test_a_batch_whose_exec_reply_was_lost_is_not_written_twice(redis_server, mo
     request = make_request(PROMPT)
     entry_id = submit(client, request)
     client.xreadgroup(protocol.ENGINE_GROUP, "e", {stream: ">"}, count=1)
-    writer = EventWriter(client, stream, engine_id="e")
+    writer = EventWriter(client, engine_id="e")
     real = redis.client.Pipeline.execute
 
     def reply_lost(self, *args, **kwargs):
@@ -274,7 +274,7 @@ def test_a_batch_whose_exec_reply_was_lost_is_not_written_twice(redis_server, mo
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", reply_lost)
     with pytest.raises(redis.ConnectionError):
-        writer.accept(entry_id, request, "e")
+        writer.accept(Entry(stream, entry_id), request, "e")
     with pytest.raises(redis.ConnectionError):
         writer.publish([RequestOutput(request.request_id, "ab", [7, 8], finished=True,
                                       finish_reason=protocol.FINISH_LENGTH,
@@ -299,8 +299,8 @@ def test_events_made_while_redis_is_down_are_written_in_order_when_it_answers(re
         entry_id = submit(client, request)
         client.xreadgroup(protocol.ENGINE_GROUP, "e", {stream: ">"}, count=1)
     client = redis.Redis.from_url(server.url, **redis_options(WorkerConfig()))
-    writer = EventWriter(client, stream, engine_id="e")
-    writer.accept(entry_id, request, "e")
+    writer = EventWriter(client, engine_id="e")
+    writer.accept(Entry(stream, entry_id), request, "e")
     server.kill()
     rid = request.request_id
     for i in range(3):

@@ -83,10 +83,12 @@ def fleet(transactional_db, served_model, tiny_model_path, redis_client, tmp_pat
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     try:
         for engine_id in ENGINES:
+            log = (tmp_path / f"{engine_id}.log").open("wb")  # read when a drill goes wrong
             running.engines[engine_id] = subprocess.Popen(
                 [*cli, "engine", "--engine-id", engine_id, "--device", "cpu",
-                 "--kv-cache-mib", "64", "--max-num-seqs", "2", "--drain-seconds", "60"],
-                **quiet)
+                 "--kv-cache-mib", "64", "--max-num-seqs", "2", "--max-waiting", "2",
+                 "--drain-seconds", "60"],
+                **{**quiet, "stderr": log})
         for _ in range(WEBS):
             port = _free_port()
             running.others.append(subprocess.Popen(

@@ -1,6 +1,7 @@
-"""Drain and engine loss across the fleet (three engines, two web processes, a worker;
-tests/fleet/conftest.py), driven through the official openai client, each request going
-to one of the two web processes in turn; the worker's ledger checked at the end."""
+"""Placement, work stealing, drain and engine loss across the fleet (three engines, two
+web processes, a worker; tests/fleet/conftest.py), driven through the official openai
+client, each request going to one of the two web processes in turn; the worker's ledger
+checked at the end."""
 
 from __future__ import annotations
 
@@ -123,3 +124,76 @@ def test_an_engine_killed_under_load_fails_no_request_before_its_first_token(
     assert len(failed) <= 2  # at most its two seats were streaming (--max-num-seqs 2)
     assert all(billed[r.request_id] == TOKENS for r in results if r.ok)
     assert len(billed) == REQUESTS  # the failed ones too, for what they streamed
+
+
+def _stolen(redis_client) -> int:
+    beats = [redis_client.get(protocol.engine_key(e)) for e in ENGINES]
+    return sum(protocol.EngineHeartbeat.decode(b).stats.get("requests_stolen", 0)
+               for b in beats if b)
+
+
+def test_requests_follow_their_cached_prefix_and_idle_engines_take_queued_work(
+        fleet, redis_client, served_model):
+    caller = make_tenant_key("routing")
+    system = " ".join(f"rule {i}: answer briefly and kindly." for i in range(40))
+    cached, prompt_tokens = [], 0
+    for i in range(6):
+        client = openai.OpenAI(base_url=f"{fleet.webs[i % 2]}/v1", api_key=caller.key,
+                               max_retries=0, timeout=60)
+        answer = client.chat.completions.create(
+            model=served_model, max_tokens=2,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": f"question {i}"}])
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        prompt_tokens = answer.usage.prompt_tokens
+        # Long enough for the engine's heartbeat to show the prefix to the other web process.
+        time.sleep(protocol.HEARTBEAT_INTERVAL_S + 0.6)
+    print(json.dumps({"prompt_tokens": prompt_tokens, "cached": cached}))
+    # Each later request, through either web process, went where the prefix was cached:
+    # random placement over three engines would miss at least once in most runs.
+    assert prompt_tokens > 200 and cached[0] == 0
+    assert all(c >= 0.8 * prompt_tokens for c in cached[1:]), cached
+
+    # One conversation's burst through both web processes at once: each places on the
+    # conversation's engine as many as it has seats (two running, two waiting), so together
+    # they give it twice that, and the engines that got less take what waits in its stream.
+    # (Only when neither web process read a heartbeat showing the other's share first: a
+    # window of some milliseconds a second, so up to three bursts.)
+    stolen, bursts = 0, 0
+    while not stolen and bursts < 3:
+        bursts += 1
+        results = _burst(fleet, caller.key, served_model, session=f"conv-{bursts}")
+        assert all(r.ok and r.tokens == 200 for r in results), [r.error for r in results]
+        time.sleep(protocol.HEARTBEAT_INTERVAL_S + 0.2)
+        stolen = _stolen(redis_client)
+    print(json.dumps({"stolen": stolen, "bursts": bursts}))
+    assert stolen > 0
+
+
+def _burst(fleet: Fleet, key: str, model: str, session: str) -> list[Result]:
+    results = [Result() for _ in range(12)]
+    start = threading.Barrier(len(results))
+
+    def ask(base: str, result: Result) -> None:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0,
+                               timeout=120)
+        start.wait()
+        try:
+            stream = client.completions.create(
+                model=model, prompt="on and on", max_tokens=200, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True}, extra_headers={"x-session-id": session})
+            for chunk in stream:
+                if chunk.usage is not None:
+                    result.tokens = chunk.usage.completion_tokens
+            result.ok = True
+        except Exception as exc:  # noqa: BLE001
+            result.error = f"{type(exc).__name__}: {exc}"[:200]
+
+    threads = [threading.Thread(target=ask, args=(fleet.webs[i % 2], r))
+               for i, r in enumerate(results)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return results

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from engine import protocol
+from tests.live import queued_requests
 
 
 def _post(base: str, path: str, key: str | None, **kwargs) -> httpx.Response:
@@ -29,7 +30,7 @@ def _assert_error(response: httpx.Response, status: int, code: str | None,
 
 
 def _assert_nothing_queued(redis_client, model: str) -> None:
-    assert redis_client.xlen(protocol.request_stream(model)) == 0
+    assert queued_requests(redis_client, model) == 0
     assert list(redis_client.scan_iter(match=f"{protocol.KEY_PREFIX}:events:*")) == []
 
 
@@ -98,6 +99,17 @@ def test_unknown_model_is_404(api_server, tenant_key, engine_worker, redis_clien
     _assert_error(r, 404, "model_not_found", "model")
     _assert_nothing_queued(redis_client, "gpt-17")
     _assert_nothing_queued(redis_client, "tiny-llama")
+
+
+def test_a_session_header_past_its_limit_is_400_and_queues_nothing(
+        api_server, tenant_key, served_model, engine_worker, redis_client):
+    r = _post(api_server, CHAT, tenant_key.key, json=_chat(served_model, max_tokens=2),
+              headers={"x-session-id": "s" * 257})
+    _assert_error(r, 400, "invalid_value", "x-session-id")
+    _assert_nothing_queued(redis_client, served_model)
+    ok = _post(api_server, CHAT, tenant_key.key, json=_chat(served_model, max_tokens=2),
+               headers={"x-session-id": "s" * 256})
+    assert ok.status_code == 200, ok.text
 
 
 def test_max_tokens_beyond_the_server_limit_is_400(api_server, tenant_key, served_model,

@@ -7,6 +7,7 @@ from openai import OpenAI
 from tokenizers import Tokenizer
 
 from engine import protocol
+from tests.live import request_streams
 
 
 @pytest.fixture
@@ -124,8 +125,9 @@ def test_stop_string_ends_the_completion_without_being_emitted(client, served_mo
 def test_nothing_is_left_in_redis_after_a_request(client, served_model, engine_worker,
                                                   redis_client):
     client.completions.create(model=served_model, prompt="hi", max_tokens=4)
-    assert redis_client.xlen(protocol.request_stream(served_model)) == 0
-    pending = redis_client.xpending(protocol.request_stream(served_model),
-                                    protocol.ENGINE_GROUP)
-    assert pending["pending"] == 0
+    streams = request_streams(redis_client, served_model)
+    assert len(streams) == 2  # the shared one and the engine's own
+    for stream in streams:
+        assert redis_client.xlen(stream) == 0
+        assert redis_client.xpending(stream, protocol.ENGINE_GROUP)["pending"] == 0
     assert list(redis_client.scan_iter(match=f"{protocol.KEY_PREFIX}:events:*")) == []

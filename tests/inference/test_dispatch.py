@@ -16,6 +16,8 @@ from inference.relay import EventHub
 from tests.engine.engine_testing import make_request
 
 MODEL = "m"
+# Where a request for MODEL is placed: its one live engine's stream (inference/routing.py).
+STREAM = protocol.engine_stream("e1")
 
 
 def _run(scenario):
@@ -31,10 +33,11 @@ def _run(scenario):
 
 async def _an_engine_is_alive(client) -> None:
     now = time.time()
-    beat = protocol.EngineHeartbeat(engine_id="e1", model=MODEL, started_at=now, sent_at=now)
+    beat = protocol.EngineHeartbeat(engine_id="e1", model=MODEL, started_at=now, sent_at=now,
+                                    placement={"stream": True})
     await client.zadd(protocol.ENGINES_ZSET, {"e1": now})
     await client.set(protocol.engine_key("e1"), beat.encode())
-    await client.xgroup_create(protocol.request_stream(MODEL), protocol.ENGINE_GROUP, id="0",
+    await client.xgroup_create(STREAM, protocol.ENGINE_GROUP, id="0",
                                mkstream=True)
 
 
@@ -71,7 +74,7 @@ def test_a_request_cancelled_before_any_engine_read_it_is_not_waited_for(redis_c
     assert waited < 0.5
     assert dispatch.counted_usage() == {"prompt_tokens": 0, "cached_tokens": 0,
                                         "completion_tokens": 0}
-    assert redis_client.xlen(protocol.request_stream(MODEL)) == 0
+    assert redis_client.xlen(STREAM) == 0
 
 
 def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(redis_client):
@@ -81,7 +84,7 @@ def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(red
         dispatch = await _submitted(client)
         # The engine read the entry, accepted it and generated; nothing was relayed yet.
         await client.xreadgroup(protocol.ENGINE_GROUP, "e1",
-                                {protocol.request_stream(MODEL): ">"})
+                                {STREAM: ">"})
         await _engine_writes(client, dispatch,
                              (protocol.EV_ACCEPTED, {"engine_id": "e1"}),
                              (protocol.EV_DELTA, {"text": "ab", "token_ids": [1, 2]}))
@@ -108,7 +111,7 @@ def test_without_a_final_event_the_count_is_what_recovery_would_report(redis_cli
     async def scenario(client):
         dispatch = await _submitted(client)
         await client.xreadgroup(protocol.ENGINE_GROUP, "e1",
-                                {protocol.request_stream(MODEL): ">"})
+                                {STREAM: ">"})
         await _engine_writes(client, dispatch,
                              (protocol.EV_ACCEPTED, {"engine_id": "e1"}),
                              (protocol.EV_DELTA, {"text": "ab", "token_ids": [1, 2]}))

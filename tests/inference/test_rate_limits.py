@@ -20,7 +20,7 @@ from engine import protocol
 from inference import admission as quota
 from tests.factories import key_factory, plan_factory, tenant_factory
 from tests.inference.slow_engine import slow_factory
-from tests.live import _free_port, start_engine
+from tests.live import _free_port, queued_requests, start_engine
 
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-limit-tokens",
                 "x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens",
@@ -142,7 +142,7 @@ def test_over_the_request_limit_is_429_with_retry_after_in_openais_shape(
     assert int(headers["retry-after-ms"]) > 0
     assert headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "0"
-    assert redis_client.xlen(protocol.request_stream(served_model)) == 0
+    assert queued_requests(redis_client, served_model) == 0
     # Refused before its prompt is read: a body that would be a 400 once tokenized (ids
     # past the vocabulary) is still a 429, so a refused caller spends no parsing.
     refused = post(api_server, caller, {"model": served_model, "prompt": [10**9] * 50_000,

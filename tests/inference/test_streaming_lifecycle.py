@@ -16,7 +16,7 @@ from django.conf import settings
 
 from engine import protocol
 from tests.inference.slow_engine import slow_factory
-from tests.live import start_engine
+from tests.live import queued_requests, start_engine
 
 MAX_TOKENS = 400
 
@@ -177,7 +177,7 @@ def test_deadline_gives_504_and_stops_the_engine(api_server, tenant_key, served_
     assert err.value.body["code"] == "timeout"
     assert time.monotonic() - started < 5
     time.sleep(0.5)
-    assert redis_client.xlen(protocol.request_stream(served_model)) == 0
+    assert queued_requests(redis_client, served_model) == 0
 
 
 def test_deadline_mid_stream_ends_the_stream_with_an_error(api_server, tenant_key,

@@ -233,7 +233,9 @@
         }
         kv.dataset.field = "kv";
         const fields = [
-          ["running", cell(e.running, "num")], ["waiting", cell(e.waiting, "num")],
+          ["running", cell(e.running, "num")],
+          ["waiting", cell(e.queued ? `${e.waiting} +${e.queued} in its stream` : e.waiting,
+            "num")],
           ["kv", kv], ["prefix", cell(pct(e.prefix_cache_hit_rate, 1), "num")],
           ["tps", cell(e.generation_tokens_per_s ?? "—", "num")],
           ["generated", cell(num(e.tokens_generated), "num")],
