@@ -125,6 +125,8 @@ _GAUGES = (  # (name, snapshot key, help)
     ("atrium_engine_kv_blocks_used", "kv_blocks_used", "KV cache blocks held by requests."),
     ("atrium_engine_tenants_waiting", "tenants_waiting",
      "Tenants with requests waiting (the fair queue's round-robin)."),
+    ("atrium_engine_requests_queued", "queued",
+     "Requests placed on this engine that wait unread in its own stream."),
 )
 _COUNTERS = (  # (name, snapshot key, help); the exposition appends _total
     ("vllm:prefix_cache_queries", "prefix_cache_queries",
@@ -134,6 +136,8 @@ _COUNTERS = (  # (name, snapshot key, help); the exposition appends _total
     ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens computed."),
     ("vllm:generation_tokens", "generation_tokens", "Tokens generated."),
     ("atrium_engine_steps", "steps", "Engine steps that ran the model."),
+    ("atrium_engine_requests_stolen", "requests_stolen",
+     "Requests this engine took from busy peers' streams."),
     ("atrium_engine_adapter_slot_evictions", "adapter_slot_evictions",
      "LoRA adapters moved out of a device slot to make room for another."),
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
@@ -172,13 +176,15 @@ class SnapshotCollector:
             return
         names, values = list(LABELS), self._values
         for name, key, help_text in _GAUGES:
-            gauge = GaugeMetricFamily(name, help_text, labels=names)
-            gauge.add_metric(values, snapshot[key])
-            yield gauge
+            if key in snapshot:  # the stream figures come from the worker, not the engine
+                gauge = GaugeMetricFamily(name, help_text, labels=names)
+                gauge.add_metric(values, snapshot[key])
+                yield gauge
         for name, key, help_text in _COUNTERS:
-            counter = CounterMetricFamily(name, help_text, labels=names)
-            counter.add_metric(values, snapshot[key])
-            yield counter
+            if key in snapshot:
+                counter = CounterMetricFamily(name, help_text, labels=names)
+                counter.add_metric(values, snapshot[key])
+                yield counter
         finished = CounterMetricFamily("vllm:request_success", "Requests ended, by reason.",
                                        labels=[*names, "finished_reason"])
         for reason, count in sorted(snapshot["requests_finished"].items()):

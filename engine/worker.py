@@ -237,14 +237,14 @@ class Worker:
 
     def heartbeat(self) -> None:
         now = time.time()
+        queued = self.streams.queued()
         beat = protocol.EngineHeartbeat(
             engine_id=self.engine_id, model=self.model_name, started_at=self.started_at,
             sent_at=now, running=self.engine.num_running(), waiting=self.engine.num_waiting(),
-            draining=self.draining, queued=self.streams.queued(),
-            placement=self.placement(),
+            draining=self.draining, queued=queued, placement=self.placement(),
             stats={"steps": self.steps, "tokens_generated": self.events.tokens_written,
                    "requests_finished": self.events.finished,
-                   "requests_stolen": self.streams.stolen, **self.engine_stats()})
+                   "requests_stolen": self.streams.stolen, **self.engine_stats(queued)})
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(protocol.ENGINES_ZSET, {self.engine_id: now})
             pipe.set(protocol.engine_key(self.engine_id), beat.encode(),
@@ -263,12 +263,14 @@ class Worker:
         placement = getattr(self.engine, "placement", None)
         return {"stream": True, **(placement() if placement is not None else {})}
 
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self, queued: int) -> dict[str, Any]:
+        """The engine's metrics snapshot, with what its streams add (Prometheus exports it)."""
         snapshot = getattr(self.engine, "snapshot", None)
         if snapshot is None:
             return {}
         # NOTE: replaced whole, never mutated: the metrics thread reads it without a lock.
-        self.last_snapshot = snapshot()
+        self.last_snapshot = {**snapshot(), "queued": queued,
+                              "requests_stolen": self.streams.stolen}
         return {"engine": self.last_snapshot}
 
     def take(self) -> None:

@@ -59,7 +59,10 @@ class FleetCollector:
                                 "group has not read yet.", labels=labels)
         pending = GaugeMetricFamily("atrium_redis_stream_pending", "Entries a consumer group "
                                     "has read and not yet acknowledged.", labels=labels)
-        streams = [protocol.request_stream(name) for name in served_models()]
+        streams = []
+        for name in served_models():  # the model's shared stream, then each engine's
+            engines = sorted(_text(e) for e in client.smembers(protocol.engine_streams_key(name)))
+            streams += [protocol.request_stream(name), *map(protocol.engine_stream, engines)]
         for stream in [*streams, protocol.USAGE_STREAM]:
             try:
                 groups = client.xinfo_groups(stream)

@@ -11,6 +11,7 @@ from engine_testing import cancel, make_request, read_events, submit
 
 from engine import protocol
 from engine.events import EventWriter
+from engine.metrics import render_prometheus
 from engine.prefix_hash import PrefixSummary, cache_scope, prompt_keys
 from engine.streams import RequestStreams
 from engine.worker import WorkerConfig
@@ -88,8 +89,14 @@ def test_an_idle_engine_takes_half_of_what_a_busy_peer_has_not_read(start_worker
     for request in requests[:3]:  # the oldest
         assert read_events(redis_client, request.request_id)[-1].is_final
     time.sleep(protocol.HEARTBEAT_INTERVAL_S + 0.2)
-    assert _beat(redis_client, "engine-a").stats["requests_stolen"] == 3
+    beat = _beat(redis_client, "engine-a")
+    assert beat.stats["requests_stolen"] == 3
     assert redis_client.xlen(protocol.engine_stream("busy")) == 3  # the rest left to it
+    # What Prometheus reads from the engine (its metrics port serves this snapshot).
+    text = render_prometheus(beat.stats["engine"], model_name="tiny", engine="engine-a")
+    assert 'atrium_engine_requests_stolen_total{engine="engine-a",model_name="tiny"} 3.0' \
+        in text
+    assert 'atrium_engine_requests_queued{engine="engine-a",model_name="tiny"} 0.0' in text
 
 
 def test_hand_back_moves_unread_entries_to_the_shared_stream_and_settles_them(redis_client):

@@ -46,3 +46,18 @@ def test_celery_queue_and_live_engines(transactional_db, redis_client):
     samples = _scrape()
     assert samples[("atrium_celery_queue_depth", (("queue", "celery"),))] == 2
     assert samples[("atrium_engines_alive", ())] == 1
+
+
+def test_each_request_stream_of_a_model_reports_its_lag(transactional_db, redis_client,
+                                                         served_model):
+    shared, own = protocol.request_stream(served_model), protocol.engine_stream("e1")
+    for stream in (shared, own):
+        redis_client.xgroup_create(stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
+    redis_client.sadd(protocol.engine_streams_key(served_model), "e1")
+    redis_client.xadd(own, {"data": "{}"})
+    redis_client.xadd(own, {"data": "{}"})
+    redis_client.xadd(shared, {"data": "{}"})
+    samples = _scrape()
+    for stream, lag in ((shared, 1), (own, 2)):
+        labels = (("group", protocol.ENGINE_GROUP), ("stream", stream))
+        assert samples[("atrium_redis_stream_lag", labels)] == lag
