@@ -7,9 +7,10 @@ counter and cap again from the rollups and the caps' table (`spend_set`,
 `caps_set`), which mends a counter that missed an increment (a worker killed
 between the commit and the INCRBY) or a Redis that lost its data.
 
-Keys: ``atrium:billing:spend:{tenant id}:{YYYY-MM}`` (integer micro-units, expires
-after the month) and ``atrium:billing:spend-cap:{tenant id}`` (``"<micro-units>
-<currency>"``; absent: no cap). No Django here.
+Keys: ``atrium:billing:{t<tenant id>}:spend:{YYYY-MM}`` (integer micro-units, expires
+after the month) and ``atrium:billing:{t<tenant id>}:spend-cap`` (``"<micro-units>
+<currency>"``; absent: no cap). The braces are Redis Cluster's hash tag, the same as the
+tenant's quota keys': the MGET reads one slot. No Django here.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ SPEND_TTL_S = 46 * 86400
 
 
 def spend_key(tenant_id: int, month: str) -> str:
-    return f"{PREFIX}:spend:{tenant_id}:{month}"
+    return f"{PREFIX}:{{t{tenant_id}}}:spend:{month}"
 
 
 def cap_key(tenant_id: int) -> str:
-    return f"{PREFIX}:spend-cap:{tenant_id}"
+    return f"{PREFIX}:{{t{tenant_id}}}:spend-cap"
 
 
 @dataclass(frozen=True, slots=True)
