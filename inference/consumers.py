@@ -79,6 +79,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         # child of it (inference/telemetry.py).
         self.trace_headers = {name: headers[name] for name in ("traceparent", "tracestate")
                               if name in headers}
+        # A conversation per socket when the handshake names one (routing.py).
+        self.session = headers.get("x-session-id")
         try:
             await authenticate(self.authorization)
         except ApiError as exc:
@@ -176,7 +178,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             trace = requestlog.Trace(principal, kind, transport="websocket", span=span)
             trace.body = body
             started = await pipeline.start(
-                trace, before_admit=lambda: self._take_place(client_id))
+                trace, before_admit=lambda: self._take_place(client_id), session=self.session)
             await self._stream(client_id, trace, started)
         except ApiError as exc:
             if trace is not None:

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 
-from core.errors import ApiError
+from core.errors import ApiError, InvalidRequest
 from core.metrics import ADMISSION_SECONDS
 from inference import admission as quota
 from inference import service, telemetry
 from inference.dispatch import Dispatch
 from inference.relay import Subscription, event_hub
 from inference.requestlog import Trace
+from inference.routing import SESSION_MAX
 
 
 @dataclass(slots=True)
@@ -45,9 +46,13 @@ async def start(trace: Trace, *, before_admit: Callable[[], None] | None = None,
     ``before_admit`` runs once the request is known to be valid, before it takes any quota:
     an entry point's own limit (the websocket's requests per socket) refuses there, so an
     invalid request never counts against it. ``batch_line``: a batch line's ledger key (the
-    batch runner's requests). ``session``: the conversation's hint for placement (an
-    ``x-session-id`` header; inference/routing.py)."""
+    batch runner's requests). ``session``: the conversation's hint for placement (the
+    ``x-session-id`` header of the request, or of the websocket's handshake;
+    inference/routing.py); empty is none."""
     began = time.perf_counter()
+    if session is not None and len(session) > SESSION_MAX:
+        raise InvalidRequest(f"the x-session-id header is longer than {SESSION_MAX} "
+                             "characters", param="x-session-id", code="invalid_value")
     # The process's own limit first (relay.py): a request past it costs nothing.
     subscription = event_hub().subscribe()
     try:
@@ -76,7 +81,7 @@ async def _admitted(trace: Trace, subscription: Subscription,
         exc.headers = {**limits.headers(), **exc.headers}
         raise
     trace.prepared = prepared
-    prepared.session = session
+    prepared.session = session or None
     prepared.engine_request.traceparent = telemetry.traceparent(trace.span)
     if before_admit is not None:
         before_admit()

@@ -19,7 +19,6 @@ from core.metrics import OPEN_STREAMS
 from inference import pipeline, requestlog, responses, service, telemetry
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
-from inference.routing import SESSION_MAX
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -152,11 +151,7 @@ async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
 async def _serve(request: HttpRequest, kind: service.Kind,
                  trace: requestlog.Trace) -> HttpResponse:
     trace.body = json_body(request)
-    session = request.headers.get("x-session-id") or None
-    if session is not None and len(session) > SESSION_MAX:
-        raise InvalidRequest(f"the x-session-id header is longer than {SESSION_MAX} "
-                             "characters", param="x-session-id", code="invalid_value")
-    started = await pipeline.start(trace, session=session)
+    started = await pipeline.start(trace, session=request.headers.get("x-session-id"))
     prepared, dispatch, admission = started.prepared, started.dispatch, started.admission
     try:
         if prepared.params.stream:

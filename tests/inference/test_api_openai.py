@@ -7,6 +7,10 @@ from openai import OpenAI
 from tokenizers import Tokenizer
 
 from engine import protocol
+
+# NOTE: imported here, before any fixture starts an engine thread: transformers' lazy
+# module fails an import racing another thread's first import of it.
+from engine.reference import generate_reference
 from tests.live import request_streams
 
 
@@ -18,8 +22,6 @@ def client(api_server, tenant_key) -> OpenAI:
 
 def _expected_text(model_dir, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, str]:
     """Greedy text and finish reason from Hugging Face `generate` on the same checkpoint."""
-    from engine.reference import generate_reference
-
     out = generate_reference(model_dir, [prompt_ids], max_new_tokens)[0]
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     import json
