@@ -36,8 +36,9 @@ class RequestStreams:
         # The model's other live engines -> (entries queued unread in their streams, when
         # that heartbeat was sent), as last read (``see_peers``).
         self.peers: dict[str, tuple[int, float]] = {}
-        # Peer -> when this engine last took from it: a heartbeat's news is acted on once.
-        self._took_at: dict[str, float] = {}
+        # Peer -> the heartbeat (its sent_at, the peer's own clock: no skew between hosts)
+        # this engine last took from it by: a heartbeat's news is acted on once.
+        self._acted_on: dict[str, float] = {}
         self.stolen = 0  # entries taken from peers' streams
 
     def ensure_groups(self) -> None:
@@ -71,9 +72,9 @@ class RequestStreams:
         for peer, (queued, sent_at) in sorted(self.peers.items(), key=lambda p: -p[1][0]):
             if queued <= 0:
                 break
-            if self._took_at.get(peer, 0.0) >= sent_at:
+            if self._acted_on.get(peer, float("-inf")) >= sent_at:
                 continue
-            self._took_at[peer] = time.time()
+            self._acted_on[peer] = sent_at
             count = min(room, max(1, queued // 2))
             try:
                 entries = self._read({protocol.engine_stream(peer): ">"}, count, None)
@@ -97,7 +98,7 @@ class RequestStreams:
         self.peers = {b.engine_id: (b.queued, b.sent_at) for b in beats
                       if b.model == self.model_name and b.engine_id != self.engine_id
                       and not b.draining}
-        self._took_at = {p: t for p, t in self._took_at.items() if p in self.peers}
+        self._acted_on = {p: t for p, t in self._acted_on.items() if p in self.peers}
 
     def queued(self) -> int:
         """Entries placed here and not read yet."""
