@@ -69,6 +69,9 @@ class Router:
         # Engine -> the prompt blocks this process placed there lately, newest last: a
         # burst sharing a prefix follows its first request before any heartbeat shows it.
         self._placed: dict[str, OrderedDict[bytes, None]] = {}
+        # Engine -> (the heartbeat's sent_at, its prefix summary): decoded once per
+        # heartbeat, not once per request.
+        self._summaries: dict[str, tuple[float, PrefixSummary | None]] = {}
 
     def place(self, request: protocol.EngineRequest, beats: list[protocol.EngineHeartbeat],
               *, policy: str = "scored", session: str | None = None) -> Placement:
@@ -90,6 +93,7 @@ class Router:
             live = {b.engine_id for b in beats}
             self._sent = {e: sent for e, sent in self._sent.items() if e in live}
             self._placed = {e: keys for e, keys in self._placed.items() if e in live}
+            self._summaries = {e: s for e, s in self._summaries.items() if e in live}
         ROUTING_PLACEMENTS.labels(policy, reason).inc()
         return Placement(protocol.engine_stream(chosen.engine_id), chosen.engine_id, cached)
 
@@ -102,7 +106,7 @@ class Router:
         best: tuple[float, protocol.EngineHeartbeat, int, str] | None = None
         for beat in beats:
             cached = 0
-            summary = PrefixSummary.from_dict(beat.placement.get("prefix"))
+            summary = self._summary(beat)
             if summary is not None:
                 size = summary.block_size
                 if size not in keys:
@@ -150,17 +154,30 @@ class Router:
         if placement.engine_id is not None:
             self._sent.get(placement.engine_id, {}).pop(request_id, None)
 
+    def _summary(self, beat: protocol.EngineHeartbeat) -> PrefixSummary | None:
+        seen = self._summaries.get(beat.engine_id)
+        if seen is None or seen[0] != beat.sent_at:
+            seen = (beat.sent_at, PrefixSummary.from_dict(beat.placement.get("prefix")))
+            self._summaries[beat.engine_id] = seen
+        return seen[1]
+
     def _sent_since(self, beat: protocol.EngineHeartbeat) -> int:
         """Requests this process sent the engine after its heartbeat was written, and has
         not seen start (a request whose events were never read is forgotten after a
-        while)."""
+        while). The placements are in the order they were made: only the newest are
+        counted and only the oldest forgotten, so this costs what was sent since."""
         sent = self._sent.get(beat.engine_id)
         if not sent:
             return 0
         forget = time.time() - SENT_FORGET_S
-        for request_id in [r for r, at in sent.items() if at < forget]:
-            del sent[request_id]
-        return sum(at > beat.sent_at for at in sent.values())
+        while sent and (oldest := next(iter(sent.items())))[1] < forget:
+            del sent[oldest[0]]
+        count = 0
+        for at in reversed(sent.values()):
+            if at <= beat.sent_at:
+                break
+            count += 1
+        return count
 
 
 def _block_size(beat: protocol.EngineHeartbeat) -> int | None:
