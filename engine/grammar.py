@@ -70,40 +70,100 @@ def _tokenizer_info(model_dir: Path, vocab_size: int,
                              add_prefix_space=detected.add_prefix_space)
 
 
+class Utf8Guard:
+    """Keeps a grammar's output decodable: no UTF-16 surrogate (U+D800..U+DFFF) in its bytes.
+
+    NOTE: xgrammar's "any character" (a negated class, a regex's dot) admits the three-byte
+    forms of surrogates, ED A0 80..ED BF BF, which no UTF-8 decoder accepts: the text shows
+    three U+FFFD where the grammar counted one character, so a string of maxLength 8 came out
+    10 long. A token holding ED then A0..BF is never allowed; after a token ending in the lead
+    byte ED (it is never a continuation byte), tokens starting with A0..BF are not allowed.
+    """
+
+    __slots__ = ("ends_in_lead", "_refused", "_refused_after_lead", "_always", "_after_lead")
+
+    def __init__(self, decoded_vocab: Sequence[bytes], vocab_size: int) -> None:
+        self.ends_in_lead = [token.endswith(b"\xed") for token in decoded_vocab]
+        always = [i for i, token in enumerate(decoded_vocab) if _holds_surrogate(token)]
+        after = [i for i, token in enumerate(decoded_vocab) if token and 0xA0 <= token[0] <= 0xBF]
+        self._refused = frozenset(always)
+        self._refused_after_lead = frozenset(always + after)
+        self._always = _allowed_but(always, vocab_size)
+        self._after_lead = _allowed_but(always + after, vocab_size)
+
+    def refuses(self, after_lead: bool, token_id: int) -> bool:
+        """Whether ``token_id`` would put a surrogate in the output."""
+        return token_id in (self._refused_after_lead if after_lead else self._refused)
+
+    def restrict(self, bitmask: torch.Tensor, row: int, after_lead: bool) -> None:
+        """Clears the tokens ``refuses`` from ``bitmask[row]``, in place."""
+        bitmask[row] &= self._after_lead if after_lead else self._always
+
+
+def _holds_surrogate(token: bytes) -> bool:
+    return any(token[i] == 0xED and 0xA0 <= token[i + 1] <= 0xBF
+               for i in range(len(token) - 1))
+
+
+def _allowed_but(token_ids: Iterable[int], vocab_size: int) -> torch.Tensor:
+    """An xgrammar bitmask row (int32 words, bit set = allowed) of every token but these."""
+    bits = torch.ones(((vocab_size + 31) // 32) * 32, dtype=torch.bool)
+    bits[list(token_ids)] = False
+    weights = (1 << torch.arange(32, dtype=torch.int64))
+    words = (bits.view(-1, 32).to(torch.int64) * weights).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 class GrammarState:
-    """One sequence's place in its grammar; the runner masks by it, the scheduler feeds it."""
+    """One sequence's place in its grammar; the runner masks by it, the scheduler feeds it.
 
-    __slots__ = ("_matcher", "vocab_size")
+    ``_lead`` holds, per accepted token, whether it ended in an unfinished ED (Utf8Guard):
+    rollbacks pop it with the matcher."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    __slots__ = ("_matcher", "_guard", "_lead", "vocab_size")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int,
+                 guard: Utf8Guard) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._guard = guard
+        self._lead: list[bool] = []
         self.vocab_size = vocab_size
 
     def fork(self) -> GrammarState:
         """An independent state at the same place (another choice of the same request)."""
         state = GrammarState.__new__(GrammarState)
         state._matcher = self._matcher.fork()
+        state._guard = self._guard
+        state._lead = list(self._lead)
         state.vocab_size = self.vocab_size
         return state
 
     def accept(self, token_id: int) -> bool:
         """Advances by one sampled token; False (state unchanged) if the grammar forbids it."""
-        return self._matcher.accept_token(token_id)
+        if self._guard.refuses(self._after_lead, token_id) \
+                or not self._matcher.accept_token(token_id):
+            return False
+        self._lead.append(self._guard.ends_in_lead[token_id])
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last ``num_tokens`` accepted tokens (speculative or preempted work)."""
-        self._matcher.rollback(num_tokens)
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            del self._lead[-num_tokens:]
 
     def accepts_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar accepts in order (a draft's part worth
-        verifying); the state is left where it was."""
+        verifying), a stop token not among them; the state is left where it was."""
         accepted = 0
         for token in tokens:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+            if self._matcher.is_terminated() or not self.accept(token):
                 break
             accepted += 1
-        if accepted:
-            self._matcher.rollback(accepted)
+        if self._matcher.is_terminated():
+            accepted -= 1  # NOTE: no mask follows a stop token; the model's own sample may end it
+            self.rollback(1)
+        self.rollback(accepted)
         return accepted
 
     def fill_along(self, tokens: Sequence[int]) -> FilledMasks:
@@ -113,13 +173,11 @@ class GrammarState:
         bitmask = xgr.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
         for row, token in enumerate(tokens):
             self.fill(bitmask, row)
-            if not self._matcher.accept_token(token):
-                if row:
-                    self._matcher.rollback(row)
+            if not self.accept(token):
+                self.rollback(row)
                 raise ValueError("a draft the grammar refuses was not cut short")
         self.fill(bitmask, len(tokens))
-        if tokens:
-            self._matcher.rollback(len(tokens))
+        self.rollback(len(tokens))
         return FilledMasks(bitmask, list(range(len(tokens) + 1)))
 
     @property
@@ -130,6 +188,11 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into ``bitmask[row]`` (one bit per token)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._guard.restrict(bitmask, row, self._after_lead)
+
+    @property
+    def _after_lead(self) -> bool:
+        return bool(self._lead) and self._lead[-1]
 
 
 @dataclass(slots=True)
@@ -196,6 +259,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         info = _tokenizer_info(Path(model_dir), vocab_size, sorted(set(stop_token_ids)))
+        self._guard = Utf8Guard(info.decoded_vocab, vocab_size)
         # NOTE: xgrammar's own cache is off: ours bounds memory by entries and dedups in flight.
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
@@ -234,7 +298,7 @@ class Grammars:
 
     def state(self, compiled: xgr.CompiledGrammar) -> GrammarState:
         """A fresh matcher at the start of ``compiled``, for one sequence."""
-        return GrammarState(compiled, self.vocab_size)
+        return GrammarState(compiled, self.vocab_size, self._guard)
 
     def close(self) -> None:
         """Stops the compile threads; compiles already running finish first."""

@@ -308,3 +308,63 @@ def test_a_forked_state_starts_where_its_parent_is_and_moves_alone(grammars: Gra
     greedy_decode(state, vocab_size, stops, seed=3, max_steps=6)
     fork.fill(forked, 0)
     assert torch.equal(forked, initial)  # the parent's tokens did not move the fork
+
+
+@pytest.fixture(scope="module")
+def token_bytes(tiny_model_dir: Path, vocab_size: int, stops) -> list[bytes]:
+    """Each token's bytes as xgrammar matches them (the ByteLevel alphabet decoded)."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"))
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stops)).decoded_vocab
+
+
+def byte_token(token_bytes: list[bytes], byte: int) -> int:
+    return token_bytes.index(bytes([byte]))
+
+
+@pytest.mark.parametrize("spec", [
+    schema_spec({"type": "string"}),
+    schema_spec({"type": "string", "maxLength": 4}),
+    schema_spec({"type": "string", "pattern": "^.+$"}),
+], ids=["string", "bounded", "pattern"])
+def test_a_string_never_takes_the_bytes_of_a_utf16_surrogate(grammars: Grammars, token_bytes,
+                                                             vocab_size: int, spec):
+    """xgrammar's "any character" admits ED A0..BF xx (U+D800..U+DFFF), which no UTF-8
+    decoder reads; after the lead byte ED only 80..9F may follow."""
+    state = grammars.state(grammars.submit(spec).result(timeout=30))
+    assert state.accept(token_bytes.index(b'"')) and state.accept(byte_token(token_bytes, 0xED))
+    logits = torch.zeros(1, vocab_size)
+    apply_grammars(logits, [state])
+    allowed = {b for b in range(0x80, 0xC0) if logits[0, byte_token(token_bytes, b)] == 0}
+    assert allowed == set(range(0x80, 0xA0))
+    assert not state.accept(byte_token(token_bytes, 0xB0))
+    assert state.accept(byte_token(token_bytes, 0x9F))  # U+D7C0.. is a character
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_surrogate_bytes_never_come_out_of_a_schema(grammars: Grammars, token_bytes,
+                                                   vocab_size, stops, seed):
+    """An untrained model that favours the bytes of surrogates (ED, then A0..BF) and high
+    bytes: its output decodes strictly, and a maxLength counts what a client counts."""
+    bias = torch.zeros(1, vocab_size)
+    bias[0, [byte_token(token_bytes, b) for b in range(0x80, 0x100)]] = 4.0
+    bias[0, [byte_token(token_bytes, b) for b in [0xED, *range(0xA0, 0xC0)]]] = 8.0
+    state = grammars.state(grammars.submit(schema_spec(OBJECT)).result(timeout=30))
+    tokens = greedy_decode(state, vocab_size, stops, seed=seed, bias=bias)
+    text = b"".join(token_bytes[t] for t in tokens).decode("utf-8")  # strict
+    jsonschema.validate(json.loads(text), OBJECT)
+    assert any(ord(c) > 0x7F for c in json.loads(text)["name"])  # the bias took effect
+
+
+def test_a_draft_is_verified_up_to_its_stop_token(grammars: Grammars, token_bytes, stops):
+    """A draft (a draft model's) that ends the grammar is cut before the stop token: no
+    mask follows one, and the model's own sample may still end the text there."""
+    state = grammars.state(grammars.submit(
+        schema_spec({"type": "string", "maxLength": 4})).result(timeout=30))
+    quote, a = token_bytes.index(b'"'), token_bytes.index(b"a")
+    draft = [quote, a, a, quote, min(stops), a]
+    assert state.accepts_prefix(draft) == 4
+    masks = state.fill_along(draft[:4])
+    assert masks.rows == [0, 1, 2, 3, 4]
+    assert masks.bitmask[4].any()  # the stop token is allowed after the closing quote
+    assert state.accept(quote)  # the state was left at the start
