@@ -40,7 +40,9 @@ def main() -> None:
     from tests.factories import tenant_factory
 
     client = redis.Redis.from_url(settings.REDIS_URL)
-    client.delete(protocol.USAGE_STREAM)
+    stream = protocol.usage_stream("m")
+    client.delete(stream)
+    client.sadd(protocol.USAGE_STREAMS_KEY, stream)
     tenant = tenant_factory(slug=f"bench-{int(time.time())}")
     UsageRecord.objects.filter(tenant=tenant).delete()
     n = args.events
@@ -54,11 +56,11 @@ def main() -> None:
 
     pipe = client.pipeline(transaction=False)
     for i in range(n):
-        pipe.xadd(protocol.USAGE_STREAM, report(i).encode())
+        pipe.xadd(stream, report(i).encode())
         if i % 2 == 0:
-            pipe.xadd(protocol.USAGE_STREAM, report(i).encode())  # a duplicate delivery
+            pipe.xadd(stream, report(i).encode())  # a duplicate delivery
     pipe.execute()
-    delivered = client.xlen(protocol.USAGE_STREAM)
+    delivered = client.xlen(stream)
     started = time.perf_counter()
     added = drain(client, max_batches=10**6)
     ours = time.perf_counter() - started

@@ -164,7 +164,8 @@ class Reader(threading.Thread):
             if not last:
                 time.sleep(0.005)
                 continue
-            reply = self.client.xread({protocol.events_stream(r): i for r, i in last.items()},
+            reply = self.client.xread({protocol.events_stream(MODEL, r): i
+                                       for r, i in last.items()},
                                       block=20) or []
             now = time.monotonic()
             for stream, entries in reply:

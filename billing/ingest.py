@@ -1,7 +1,10 @@
 """From the engines' usage stream to the ledger, exactly once.
 
-Engines XADD a UsageReport to ``atrium:usage`` in the same transaction that
-settles a request. This consumer reads it in the ``billing`` group, writes the
+Engines XADD a UsageReport to their model's usage stream (``protocol.usage_stream``,
+in the model's Redis Cluster slot) in the same transaction that settles a request; the
+set ``atrium:usage-streams`` names every such stream, and protocol 1's one stream
+``atrium:usage`` is read too while it exists (what engines reported before an upgrade).
+This consumer reads each in the ``billing`` group, writes the
 ledger (unique request id, ON CONFLICT DO NOTHING), commits, and only then
 XACKs. A consumer killed between the write and the acknowledgement leaves the
 entry pending; the next run claims it and the write is a no-op.
@@ -47,16 +50,16 @@ def _consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def ensure_group(client: redis.Redis) -> None:
+def ensure_group(client: redis.Redis, stream: str) -> None:
     try:
-        client.xgroup_create(protocol.USAGE_STREAM, protocol.USAGE_GROUP, id="0", mkstream=True)
+        client.xgroup_create(stream, protocol.USAGE_GROUP, id="0", mkstream=True)
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
 
 
-def _claim_stale(client: redis.Redis, consumer: str, count: int) -> list:
-    reply = client.xautoclaim(protocol.USAGE_STREAM, protocol.USAGE_GROUP, consumer,
+def _claim_stale(client: redis.Redis, stream: str, consumer: str, count: int) -> list:
+    reply = client.xautoclaim(stream, protocol.USAGE_GROUP, consumer,
                               min_idle_time=CLAIM_IDLE_MS, start_id="0-0", count=count)
     # NOTE: Redis 7 answers [next id, entries, deleted ids]; 6.2 (the embedded server)
     # answers [next id, entries].
@@ -163,16 +166,22 @@ def _counted(written: list) -> int:
 
 def ingest_batch(client: redis.Redis, *, consumer: str | None = None,
                  count: int = BATCH) -> tuple[int, int]:
-    """Claims stale entries, else reads new ones; writes, dead-letters and acks them.
-
-    Returns (entries handled, ledger rows added).
-    """
+    """One batch from each usage stream: claims its stale entries, else reads new ones;
+    writes, dead-letters and acks them. Returns (entries handled, ledger rows added)."""
     consumer = consumer or _consumer()
-    ensure_group(client)
-    entries = _claim_stale(client, consumer, count)
+    handled = added = 0
+    for stream in protocol.usage_streams(client):
+        stream_handled, stream_added = _ingest_stream(client, stream, consumer, count)
+        handled, added = handled + stream_handled, added + stream_added
+    return handled, added
+
+
+def _ingest_stream(client: redis.Redis, stream: str, consumer: str,
+                   count: int) -> tuple[int, int]:
+    ensure_group(client, stream)
+    entries = _claim_stale(client, stream, consumer, count)
     if not entries:
-        reply = client.xreadgroup(protocol.USAGE_GROUP, consumer, {protocol.USAGE_STREAM: ">"},
-                                  count=count)
+        reply = client.xreadgroup(protocol.USAGE_GROUP, consumer, {stream: ">"}, count=count)
         entries = reply[0][1] if reply else []
     if not entries:
         return 0, 0
@@ -183,13 +192,13 @@ def ingest_batch(client: redis.Redis, *, consumer: str | None = None,
     USAGE_INGESTED.labels("dead_lettered").inc(len(refused) + len(refused_by_db))
     # NOTE: acknowledge only after the commit: a crash before this line redelivers.
     ids = [entry_id for entry_id, _ in entries]
-    client.xack(protocol.USAGE_STREAM, protocol.USAGE_GROUP, *ids)
-    client.xdel(protocol.USAGE_STREAM, *ids)
+    client.xack(stream, protocol.USAGE_GROUP, *ids)
+    client.xdel(stream, *ids)
     return len(entries), added
 
 
 def drain(client: redis.Redis, *, max_batches: int = 20) -> int:
-    """Ingests until the stream has nothing new (or max_batches); returns rows added."""
+    """Ingests until the streams have nothing new (or max_batches); returns rows added."""
     total = 0
     for _ in range(max_batches):
         handled, added = ingest_batch(client)

@@ -32,10 +32,11 @@ def _options() -> dict:
 
 
 def redis_target() -> RedisTarget:
-    """The platform's Redis: REDIS_URL, or the master the sentinels name."""
+    """The platform's Redis: REDIS_URL, the master the sentinels name, or the cluster."""
     return RedisTarget(url=settings.REDIS_URL, sentinels=settings.ATRIUM_REDIS_SENTINELS,
                        master=settings.ATRIUM_REDIS_SENTINEL_MASTER,
-                       sentinel_password=settings.ATRIUM_REDIS_SENTINEL_PASSWORD)
+                       sentinel_password=settings.ATRIUM_REDIS_SENTINEL_PASSWORD,
+                       cluster=settings.ATRIUM_REDIS_CLUSTER)
 
 
 # By loop id, with the loop: a new loop may reuse a closed one's id (a worker's tasks each
@@ -116,3 +117,12 @@ def async_client() -> aioredis.Redis:
 def sync_client() -> redis.Redis:
     return redis_target().client(
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), _RETRIES), **_options())
+
+
+@cache
+def broker_client() -> redis.Redis:
+    """Celery's broker: ATRIUM_BROKER_URL's Redis where it names one (beside a Redis
+    Cluster), else the platform's own."""
+    if not settings.ATRIUM_BROKER_URL:
+        return sync_client()
+    return redis.Redis.from_url(settings.ATRIUM_BROKER_URL, **_options())

@@ -66,8 +66,9 @@ class _Batch:
     def add(self, command: str, *args: Any, **kwargs: Any) -> None:
         self.commands.append((command, args, kwargs))
 
-    def add_event(self, request_id: str, event: protocol.Event, notify: str | None) -> None:
-        events = protocol.events_stream(request_id)
+    def add_event(self, model: str, request_id: str, event: protocol.Event,
+                  notify: str | None) -> None:
+        events = protocol.events_stream(model, request_id)
         self.add("xadd", events, event.encode())
         self.add("expire", events, protocol.EVENTS_TTL_S)
         if notify:
@@ -83,9 +84,17 @@ class _Batch:
 
 
 class EventWriter:
-    def __init__(self, client: redis.Redis, *, engine_id: str,
+    """One engine's writes. NOTE: every key a batch touches is in its model's slot
+    (protocol.model_prefix): the events and notify streams, the usage stream, the request
+    streams it settles entries of, and the marker; so a batch is one MULTI on Redis Cluster
+    too."""
+
+    def __init__(self, client: redis.Redis, *, model: str, engine_id: str,
                  wait_replicas: int = 0, wait_ms: int = 100) -> None:
         self.client = client
+        self.model = model
+        self.usage_stream = protocol.usage_stream(model)
+        self._usage_registered = False  # billing knows of usage_stream (USAGE_STREAMS_KEY)
         # With replicas (Redis Sentinel): a batch that reports usage is confirmed by this
         # many of them (WAIT) before it counts as written, so a failover right after it
         # cannot lose a bill (docs/deploy.md#redis-high-availability).
@@ -95,7 +104,7 @@ class EventWriter:
         self.tokens_written = 0
         self.finished = 0
         self.backlog: deque[_Batch] = deque()  # made, not yet taken by Redis; oldest first
-        self.marker_key = protocol.engine_writes_key(engine_id)
+        self.marker_key = protocol.engine_writes_key(model, engine_id)
         self._epoch = secrets.token_hex(8)  # this writer's batches, not an earlier process's
         self._made = 0
         self._unsure = False  # an EXEC failed without a reply: it may have been applied
@@ -139,7 +148,7 @@ class EventWriter:
                     notify: str | None = None) -> None:
         """``request`` given: it had been accepted, so its usage is reported for billing."""
         batch = self._batch()
-        batch.add_event(request_id, event, notify or (request and request.notify))
+        batch.add_event(self.model, request_id, event, notify or (request and request.notify))
         if request is not None:
             self._report_usage(batch, request, event)
         self._settle(batch, entry)
@@ -187,6 +196,11 @@ class EventWriter:
         self.flush()
 
     def _execute(self, batch: _Batch) -> None:
+        if batch.reported and not self._usage_registered:
+            # NOTE: before the first report, outside the MULTI (another slot): billing
+            # reads the streams this set names.
+            self.client.sadd(protocol.USAGE_STREAMS_KEY, self.usage_stream)
+            self._usage_registered = True
         with self.client.pipeline(transaction=True) as pipe:
             for command, args, kwargs in batch.commands:
                 getattr(pipe, command)(*args, **kwargs)
@@ -209,7 +223,12 @@ class EventWriter:
         batch is then unsure: the marker on whichever master answers next says whether it
         survived the failover, and it is written again if not). Replicas merely late are
         logged and passed: a master whose replica is down keeps serving."""
-        confirmed = self.client.wait(self.wait_replicas, self.wait_ms)
+        if isinstance(self.client, redis.RedisCluster):  # the shard the batch went to
+            confirmed = self.client.execute_command(
+                "WAIT", self.wait_replicas, self.wait_ms,
+                target_nodes=self.client.get_node_from_key(self.marker_key))
+        else:
+            confirmed = self.client.wait(self.wait_replicas, self.wait_ms)
         if confirmed < self.wait_replicas:
             log.warning("batch %d of events (%d usage report(s)) reached %d of %d replica(s) "
                         "within %d ms", batch.number, len(batch.reported), confirmed,
@@ -229,7 +248,7 @@ class EventWriter:
                 data: dict[str, Any]) -> protocol.Event:
         state = self.open[request_id]
         event = protocol.Event(state.next_seq, event_type, data)
-        batch.add_event(request_id, event, state.request.notify)
+        batch.add_event(self.model, request_id, event, state.request.notify)
         state.next_seq += 1
         return event
 
@@ -244,7 +263,7 @@ class EventWriter:
             api_key_id=request.api_key_id, adapter=request.adapter, user=request.user,
             price_class=request.price_class,
             finish_reason=final.data.get("finish_reason"), error_code=final.data.get("code"))
-        batch.add("xadd", protocol.USAGE_STREAM, report.encode(),
+        batch.add("xadd", self.usage_stream, report.encode(),
                   maxlen=protocol.USAGE_STREAM_MAXLEN, approximate=True)
         batch.reported.append(request.request_id)
         # The one place every accepted request ends: its spans too, when tracing is on.

@@ -63,7 +63,7 @@ class Intake:
             self.events.drop(entry)
             return
         refusal = None
-        if self.client.exists(protocol.cancel_key(rid)):
+        if self.client.exists(protocol.cancel_key(request.model, rid)):
             refusal = protocol.EV_FINISH, {"finish_reason": protocol.FINISH_CANCELLED}
         elif request.deadline is not None and time.time() >= request.deadline:
             refusal = protocol.EV_FINISH, {"finish_reason": protocol.FINISH_DEADLINE}

@@ -17,7 +17,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a model's keys carry its hash tag (model_prefix)
 KEY_PREFIX = "atrium"
 
 ENGINE_GROUP = "engines"
@@ -32,48 +32,59 @@ PUBLISH_GRACE_S = 1.0
 REQUEST_STREAM_MAXLEN = 100_000
 
 
+def model_prefix(model: str) -> str:
+    """Where every key of one model's request path starts: its request streams, events,
+    notices, cancels, usage and engines' markers. The hash tag ``{m:<model>}`` puts them in
+    one Redis Cluster slot, so each MULTI an engine or the web tier sends (an events batch
+    with its usage report and XACK, a cancel) is one slot's: Redis Cluster refuses a MULTI
+    across slots (CROSSSLOT). A model is served from one shard; models spread over shards.
+    NOTE: a model name holding ``}`` ends the tag early, the same way in every key of it."""
+    return f"{KEY_PREFIX}:{{m:{model}}}"
+
+
 def request_stream(model: str) -> str:
     """Stream of pending requests for one served model, read by a consumer group."""
-    return f"{KEY_PREFIX}:requests:{model}"
+    return f"{model_prefix(model)}:requests"
 
 
-def engine_stream(engine_id: str) -> str:
+def engine_stream(model: str, engine_id: str) -> str:
     """Stream of the requests the web tier placed on one engine (inference/routing.py).
     Read by the same consumer group: the engine reads it first, and an idle engine of the
     model may take entries it has not read (work stealing); after the engine is gone, its
     peers' recovery takes what is left."""
-    return f"{KEY_PREFIX}:requests-for:{engine_id}"
+    return f"{model_prefix(model)}:requests-for:{engine_id}"
 
 
 def engine_streams_key(model: str) -> str:
     """The set of the model's engine streams (``engine_stream``): where recovery looks for
     what a dead engine left."""
-    return f"{KEY_PREFIX}:engine-streams:{model}"
+    return f"{model_prefix(model)}:engine-streams"
 
 
-def events_stream(request_id: str) -> str:
+def events_stream(model: str, request_id: str) -> str:
     """Stream of one request's events, written by the engine that runs it."""
-    return f"{KEY_PREFIX}:events:{request_id}"
+    return f"{model_prefix(model)}:events:{request_id}"
 
 
-def notify_stream(reader_id: str) -> str:
-    """Stream of one events reader (a web process's): each entry's field names are the ids
-    of requests whose events streams were written to; what it reads next."""
-    return f"{KEY_PREFIX}:notify:{reader_id}"
+def notify_stream(model: str, reader_id: str) -> str:
+    """Stream of one events reader (a web process's) for one model: each entry's field
+    names are the ids of requests whose events streams were written to; what it reads
+    next."""
+    return f"{model_prefix(model)}:notify:{reader_id}"
 
 
 NOTIFY_STREAM_MAXLEN = 10_000
 TRACEPARENT_MAX = 128  # a W3C traceparent is 55 characters
 
 
-def cancel_key(request_id: str) -> str:
+def cancel_key(model: str, request_id: str) -> str:
     """Exists while a request is cancelled; an engine checks it when it takes the request."""
-    return f"{KEY_PREFIX}:cancel:{request_id}"
+    return f"{model_prefix(model)}:cancel:{request_id}"
 
 
 def cancels_stream(model: str) -> str:
     """Ids of the model's requests cancelled, newest last; its engines read it every step."""
-    return f"{KEY_PREFIX}:cancels:{model}"
+    return f"{model_prefix(model)}:cancels"
 
 
 CANCELS_STREAM_MAXLEN = 10_000
@@ -83,13 +94,22 @@ def queue_cancel(pipe: Any, model: str, request_id: str) -> None:
     """Queues a request's cancel on ``pipe`` (a MULTI, so both land or neither): the key an
     engine that has not taken the request yet finds when it does, and the entry the engine
     running it reads before its next step."""
-    pipe.set(cancel_key(request_id), b"1", ex=EVENTS_TTL_S)
+    pipe.set(cancel_key(model, request_id), b"1", ex=EVENTS_TTL_S)
     pipe.xadd(cancels_stream(model), {"request_id": request_id},
               maxlen=CANCELS_STREAM_MAXLEN, approximate=True)
 
 
-# Usage of every request an engine accepted, for the billing ledger (consumer group "billing").
-USAGE_STREAM = f"{KEY_PREFIX}:usage"
+def usage_stream(model: str) -> str:
+    """Usage of every request the model's engines accepted, for the billing ledger
+    (consumer group "billing"); written in the MULTI that settles the request."""
+    return f"{model_prefix(model)}:usage"
+
+
+# The set of every usage stream an engine has written to: what billing reads.
+USAGE_STREAMS_KEY = f"{KEY_PREFIX}:usage-streams"
+# Protocol 1's one usage stream: billing reads it too, for what engines of that version
+# reported before an upgrade (docs/deploy.md#upgrades).
+LEGACY_USAGE_STREAM = f"{KEY_PREFIX}:usage"
 USAGE_GROUP = "billing"
 USAGE_STREAM_MAXLEN = 1_000_000
 # Adapter lifecycle news for engines: entries {"type": "deleted", "adapter_hash"}.
@@ -103,9 +123,43 @@ def engine_key(engine_id: str) -> str:
     return f"{KEY_PREFIX}:engine:{engine_id}"
 
 
-def engine_writes_key(engine_id: str) -> str:
-    """The number of the engine's last batch of event writes Redis applied (engine-private)."""
-    return f"{KEY_PREFIX}:engine-writes:{engine_id}"
+def live_heartbeats(client: Any, now: float) -> list[bytes]:
+    """The heartbeat documents of the engines alive at ``now`` (unix s), on a synchronous
+    redis-py client. NOTE: one GET each in a pipeline, not an MGET: on Redis Cluster the
+    engines' keys lie in different slots, and a pipeline sends each to its shard."""
+    ids = client.zrangebyscore(ENGINES_ZSET, now - HEARTBEAT_TTL_S, "+inf")
+    if not ids:
+        return []
+    with client.pipeline(transaction=False) as pipe:
+        for engine_id in ids:
+            pipe.get(engine_key(_text(engine_id)))
+        return [doc for doc in pipe.execute() if doc]
+
+
+def usage_streams(client: Any) -> list[str]:
+    """Every stream usage is reported on (a synchronous client): each model's, and
+    protocol 1's while it exists."""
+    streams = {_text(s) for s in client.smembers(USAGE_STREAMS_KEY)}
+    if client.exists(LEGACY_USAGE_STREAM):
+        streams.add(LEGACY_USAGE_STREAM)
+    return sorted(streams)
+
+
+async def live_heartbeats_async(client: Any, now: float) -> list[bytes]:
+    """``live_heartbeats`` on an asyncio client."""
+    ids = await client.zrangebyscore(ENGINES_ZSET, now - HEARTBEAT_TTL_S, "+inf")
+    if not ids:
+        return []
+    async with client.pipeline(transaction=False) as pipe:
+        for engine_id in ids:
+            pipe.get(engine_key(_text(engine_id)))
+        return [doc for doc in await pipe.execute() if doc]
+
+
+def engine_writes_key(model: str, engine_id: str) -> str:
+    """The number of the engine's last batch of event writes Redis applied (engine-private;
+    in the model's slot, as every batch it marks)."""
+    return f"{model_prefix(model)}:engine-writes:{engine_id}"
 
 
 @dataclass(slots=True)
@@ -197,14 +251,18 @@ class EngineRequest:
             raise ValueError("the request must be a JSON object")
         raw["sampling"] = SamplingSpec(**_typed(SamplingSpec, raw.get("sampling"), "sampling"))
         request = cls(**_typed(cls, raw, "request"))
-        if request.notify is not None and not request.notify.startswith(notify_stream("")):
-            raise ValueError(f"request.notify must name a stream {notify_stream('…')}")
+        # NOTE: the model's own notify stream, nothing else: the engine writes it in the
+        # MULTI of the request's events, which must stay in the model's slot.
+        if request.notify is not None and \
+                not request.notify.startswith(notify_stream(request.model, "")):
+            raise ValueError("request.notify must name a stream "
+                             f"{notify_stream(request.model, '…')}")
         if request.traceparent is not None and len(request.traceparent) > TRACEPARENT_MAX:
             raise ValueError(f"request.traceparent is longer than {TRACEPARENT_MAX} characters")
         return request
 
 
-# Event types on ``events_stream(request_id)``; every entry carries a ``seq``
+# Event types on ``events_stream(model, request_id)``; every entry carries a ``seq``
 # that starts at 0 and grows by one, so a reader can tell a gap from a delay.
 EV_ACCEPTED = "accepted"  # data: {"engine_id"}
 # data: {"text", "token_ids"}, and with logprobs asked for, "logprobs": one
@@ -337,7 +395,8 @@ def _field_types(cls: type) -> tuple[dict[str, tuple[type, ...]], list[str]]:
 
 @dataclass(slots=True)
 class UsageReport:
-    """One accepted request's final usage, XADDed to USAGE_STREAM with its final event."""
+    """One accepted request's final usage, XADDed to its model's ``usage_stream`` with its
+    final event."""
 
     request_id: str
     tenant_id: str

@@ -45,6 +45,7 @@ class Recovery:
         self.client = client
         self.events = events
         self.intake = intake
+        self.model_name = model_name
         self.shared = protocol.request_stream(model_name)
         self.registry = protocol.engine_streams_key(model_name)
         self.engine_id = engine_id
@@ -54,7 +55,8 @@ class Recovery:
         """Every request stream of the model: the shared one (no owner) and each engine's,
         by its owner."""
         owners = sorted(_text(e) for e in self.client.smembers(self.registry))
-        return {self.shared: None, **{protocol.engine_stream(e): e for e in owners}}
+        return {self.shared: None, **{protocol.engine_stream(self.model_name, e): e
+                                 for e in owners}}
 
     def run(self, *, own: bool = False, skip: Collection[Entry] = ()) -> int:
         """Claims and settles dead engines' entries; returns how many it claimed.
@@ -143,7 +145,7 @@ class Recovery:
         request = self.intake.decode(entry, fields)
         if request is None:
             return
-        raw = self.client.xrange(protocol.events_stream(request.request_id))
+        raw = self.client.xrange(protocol.events_stream(self.model_name, request.request_id))
         if not raw:
             self.intake.start(entry, request)
             return

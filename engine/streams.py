@@ -30,7 +30,7 @@ class RequestStreams:
         self.client = client
         self.engine_id = engine_id
         self.model_name = model_name
-        self.own = protocol.engine_stream(engine_id)
+        self.own = protocol.engine_stream(model_name, engine_id)
         self.shared = protocol.request_stream(model_name)
         self.registry = protocol.engine_streams_key(model_name)
         # The model's other live engines -> (entries queued unread in their streams, when
@@ -77,7 +77,8 @@ class RequestStreams:
             self._acted_on[peer] = sent_at
             count = min(room, max(1, queued // 2))
             try:
-                entries = self._read({protocol.engine_stream(peer): ">"}, count, None)
+                entries = self._read({protocol.engine_stream(self.model_name, peer): ">"}, count,
+                                     None)
             except redis.ResponseError as exc:  # the peer's stream went meanwhile
                 if "NOGROUP" not in str(exc):
                     raise
@@ -91,10 +92,8 @@ class RequestStreams:
 
     def see_peers(self) -> None:
         """Reads the model's other engines' heartbeats: what their streams hold unread."""
-        since = time.time() - protocol.HEARTBEAT_TTL_S
-        ids = self.client.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf")
-        docs = self.client.mget([protocol.engine_key(_text(i)) for i in ids]) if ids else []
-        beats = [protocol.EngineHeartbeat.decode(d) for d in docs if d]
+        beats = [protocol.EngineHeartbeat.decode(d)
+                 for d in protocol.live_heartbeats(self.client, time.time())]
         self.peers = {b.engine_id: (b.queued, b.sent_at) for b in beats
                       if b.model == self.model_name and b.engine_id != self.engine_id
                       and not b.draining}

@@ -85,7 +85,8 @@ class Worker:
         self.config = config
         self.streams = RequestStreams(client, model_name=model_name, engine_id=engine_id)
         self.cancels = protocol.cancels_stream(model_name)
-        self.events = EventWriter(client, engine_id=engine_id, wait_replicas=wait_replicas)
+        self.events = EventWriter(client, model=model_name, engine_id=engine_id,
+                                  wait_replicas=wait_replicas)
         self.intake = Intake(client, engine, self.events, model_name=model_name,
                              engine_id=engine_id)
         self.recovery = Recovery(client, self.events, self.intake, model_name=model_name,
@@ -303,9 +304,11 @@ class Worker:
                                       "the engine shut down before the request finished")
             self.events.publish(outputs, error_code=protocol.ERROR_ENGINE_SHUTDOWN)
             self.events.flush()  # what an outage held, when nothing was left to publish
-            with self.client.pipeline(transaction=True) as pipe:
+            # NOTE: not one MULTI: on Redis Cluster these keys are in different slots.
+            with self.client.pipeline(transaction=False) as pipe:
                 pipe.zrem(protocol.ENGINES_ZSET, self.engine_id)
-                pipe.delete(protocol.engine_key(self.engine_id), self.events.marker_key)
+                pipe.delete(protocol.engine_key(self.engine_id))
+                pipe.delete(self.events.marker_key)
                 pipe.execute()
             for stream in self.recovery.streams():
                 self.recovery.forget_consumer(stream, self.engine_id)

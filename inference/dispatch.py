@@ -48,8 +48,10 @@ def _redis_lost() -> Iterator[None]:
 
 
 async def alive_engines(redis: aioredis.Redis, model: str) -> list[protocol.EngineHeartbeat]:
-    """The engines serving ``model`` whose heartbeat is fresh, less those draining."""
-    return await _alive(redis, lambda beat: beat.model == model and not beat.draining)
+    """The engines serving ``model`` whose heartbeat is fresh, less those draining and
+    those of protocol 1 (they read other keys: docs/deploy.md#upgrades)."""
+    return await _alive(redis, lambda beat: beat.model == model and not beat.draining
+                        and beat.version >= protocol.PROTOCOL_VERSION)
 
 
 async def _engine_alive(redis: aioredis.Redis, engine_id: str) -> bool:
@@ -87,12 +89,8 @@ async def _alive(redis: aioredis.Redis, wanted: Callable[[protocol.EngineHeartbe
 
 
 async def _read_alive(redis: aioredis.Redis) -> list[protocol.EngineHeartbeat]:
-    since = time.time() - protocol.HEARTBEAT_TTL_S
-    ids = await redis.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf")
-    if not ids:
-        return []
-    docs = await redis.mget([protocol.engine_key(i.decode()) for i in ids])
-    return [protocol.EngineHeartbeat.decode(d) for d in docs if d]
+    return [protocol.EngineHeartbeat.decode(d)
+            for d in await protocol.live_heartbeats_async(redis, time.time())]
 
 
 class Dispatch:
@@ -105,7 +103,7 @@ class Dispatch:
         # Where the process's one events reader (relay.py) puts this request's events;
         # the engine tells that reader when it writes them.
         self.subscription = subscription
-        request.notify = subscription.attach(request.request_id)
+        request.notify = subscription.attach(request.model, request.request_id)
         self.deadline = deadline
         self.entry_id: bytes | None = None
         self.placement: Placement | None = None  # where routing.py queued it
@@ -247,7 +245,8 @@ class Dispatch:
             self.finished = True
             self.usage = event.data.get("usage") or {}
             self.subscription.close()
-            await self.redis.delete(protocol.events_stream(self.request.request_id))
+            await self.redis.delete(protocol.events_stream(self.request.model,
+                                                         self.request.request_id))
 
     def _started(self) -> None:
         """Its engine no longer has it waiting: placement stops counting it as work ahead."""

@@ -14,6 +14,10 @@ streams named, so a read costs what has news. Every SWEEP_S it reads every open 
 well, for events written without a notice (an engine that does not send them, a notice
 trimmed away).
 
+The hub reads each served model on a lane of its own (a task, a notify stream): every key
+of a model's request path shares the model's Redis Cluster slot (protocol.model_prefix),
+and one XREAD may only name keys of one slot there.
+
 The hub is also where a web process bounds how many requests it keeps open
 (ATRIUM_MAX_OPEN_REQUESTS): a request past it is refused with a 503 before it costs
 anything, and the log says which limit was hit.
@@ -65,6 +69,7 @@ class Subscription:
 
     def __init__(self, hub: EventHub) -> None:
         self._hub = hub
+        self._lane: _Lane | None = None
         self.stream: bytes | None = None
         self.last_id = b"0-0"
         self.entries: collections.deque[tuple[bytes, dict]] = collections.deque()
@@ -73,12 +78,13 @@ class Subscription:
         self.closed = False
         self._ready = asyncio.Event()
 
-    def attach(self, request_id: str) -> str:
-        """Reads ``request_id``'s events stream from now on; returns the notify stream its
-        engine is to tell of writes (``EngineRequest.notify``)."""
-        self.stream = protocol.events_stream(request_id).encode()
-        self._hub._attach(self)
-        return self._hub.notify_stream
+    def attach(self, model: str, request_id: str) -> str:
+        """Reads ``request_id``'s events stream (of ``model``) from now on; returns the
+        notify stream its engine is to tell of writes (``EngineRequest.notify``)."""
+        self.stream = protocol.events_stream(model, request_id).encode()
+        self._lane = self._hub._lane(model)
+        self._lane._attach(self)
+        return self._lane.notify_stream
 
     async def read(self, timeout: float) -> list[tuple[bytes, dict]]:
         """The entries read since the last call, waiting up to ``timeout`` seconds for one;
@@ -100,13 +106,16 @@ class Subscription:
         self.entries.clear()
         if self.paused:
             self.paused = False
-            self._hub._resume(self)
+            if self._lane is not None:
+                self._lane._resume(self)
         return taken
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._hub._detach(self)
+            self._hub._open.discard(self)
+            if self._lane is not None:
+                self._lane._detach(self)
 
     def _deliver(self, entries: list[tuple[bytes, dict]]) -> None:
         self.entries.extend(entries)
@@ -126,19 +135,9 @@ class EventHub:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self.loop = asyncio.get_running_loop()
-        self.notify_stream = protocol.notify_stream(uuid.uuid4().hex)
-        self._notify_key = self.notify_stream.encode()
-        self._notify_id = b"0-0"
-        self._events_prefix = protocol.events_stream("").encode()
+        self.reader_id = uuid.uuid4().hex
         self._open: set[Subscription] = set()
-        self._streams: dict[bytes, Subscription] = {}
-        self._news: set[bytes] = set()  # streams that may have entries this hub has not read
-        self._next_sweep = 0.0
-        self._changed = asyncio.Event()
-        self._blocked = False
-        self._woken = False
-        self._task: asyncio.Task | None = None
-        self._wakes: set[asyncio.Task] = set()
+        self._lanes: dict[str, _Lane] = {}
         self._last_refusal_log = 0.0
 
     @property
@@ -160,15 +159,41 @@ class EventHub:
         self._open.add(subscription)
         return subscription
 
+    def _lane(self, model: str) -> _Lane:
+        lane = self._lanes.get(model)
+        if lane is None:
+            lane = self._lanes[model] = _Lane(self, model)
+        return lane
+
+
+class _Lane:
+    """The hub's reader of one model's streams: one task, one notify stream."""
+
+    def __init__(self, hub: EventHub, model: str) -> None:
+        self.client = hub.client
+        self.loop = hub.loop
+        self.model = model
+        self.notify_stream = protocol.notify_stream(model, hub.reader_id)
+        self._notify_key = self.notify_stream.encode()
+        self._notify_id = b"0-0"
+        self._events_prefix = protocol.events_stream(model, "").encode()
+        self._streams: dict[bytes, Subscription] = {}
+        self._news: set[bytes] = set()  # streams that may have entries this lane has not read
+        self._next_sweep = 0.0
+        self._changed = asyncio.Event()
+        self._blocked = False
+        self._woken = False
+        self._task: asyncio.Task | None = None
+        self._wakes: set[asyncio.Task] = set()
+
     def _attach(self, subscription: Subscription) -> None:
         assert subscription.stream is not None
         self._streams[subscription.stream] = subscription
         if self._task is None or self._task.done():
-            self._task = self.loop.create_task(self._run(), name="atrium-event-hub")
+            self._task = self.loop.create_task(self._run(), name=f"atrium-events-{self.model}")
         self._changed.set()
 
     def _detach(self, subscription: Subscription) -> None:
-        self._open.discard(subscription)
         if subscription.stream is not None and \
                 self._streams.get(subscription.stream) is subscription:
             del self._streams[subscription.stream]
@@ -185,7 +210,7 @@ class EventHub:
             wake.add_done_callback(self._wakes.discard)
 
     async def _wake(self) -> None:
-        """An entry of the hub's own on its notify stream: the blocked XREAD returns."""
+        """An entry of the lane's own on its notify stream: the blocked XREAD returns."""
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.xadd(self._notify_key, {"": "wake"}, maxlen=protocol.NOTIFY_STREAM_MAXLEN,

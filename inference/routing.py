@@ -95,7 +95,8 @@ class Router:
             self._placed = {e: keys for e, keys in self._placed.items() if e in live}
             self._summaries = {e: s for e, s in self._summaries.items() if e in live}
         ROUTING_PLACEMENTS.labels(policy, reason).inc()
-        return Placement(protocol.engine_stream(chosen.engine_id), chosen.engine_id, cached)
+        return Placement(protocol.engine_stream(request.model, chosen.engine_id),
+                         chosen.engine_id, cached)
 
     def _score(self, request: protocol.EngineRequest, beats: list[protocol.EngineHeartbeat],
                session: str | None) -> tuple[protocol.EngineHeartbeat, int, str]:

@@ -123,7 +123,8 @@ class TenantKey:
 def request_streams(redis_client: redis_lib.Redis, model: str) -> list[str]:
     """Every stream a request for ``model`` can wait on: the shared one and each engine's."""
     engines = sorted(e.decode() for e in redis_client.smembers(protocol.engine_streams_key(model)))
-    return [protocol.request_stream(model), *map(protocol.engine_stream, engines)]
+    return [protocol.request_stream(model),
+            *(protocol.engine_stream(model, e) for e in engines)]
 
 
 def queued_requests(redis_client: redis_lib.Redis, model: str) -> int:

@@ -332,29 +332,17 @@ def engine_rows(docs: Iterable[bytes | str | None], *, now: float) -> list[Engin
     return sorted(rows, key=lambda r: r.engine_id)
 
 
-def live_engine_ids(client, now: float) -> Any:
-    """The ZRANGEBYSCORE call naming engines alive at `now` (sync or async client)."""
-    return client.zrangebyscore(protocol.ENGINES_ZSET, now - protocol.HEARTBEAT_TTL_S, "+inf")
-
-
 def engine_heartbeats() -> list[protocol.EngineHeartbeat]:
-    client = sync_client()
-    ids = live_engine_ids(client, time.time())
-    docs = client.mget([protocol.engine_key(i.decode()) for i in ids]) if ids else []
-    return [protocol.EngineHeartbeat.decode(d) for d in docs if d]
+    return [protocol.EngineHeartbeat.decode(d)
+            for d in protocol.live_heartbeats(sync_client(), time.time())]
 
 
 def fleet_get() -> list[EngineRow]:
-    client = sync_client()
     now = time.time()
-    ids = live_engine_ids(client, now)
-    docs = client.mget([protocol.engine_key(i.decode()) for i in ids]) if ids else []
-    return engine_rows(docs, now=now)
+    return engine_rows(protocol.live_heartbeats(sync_client(), now), now=now)
 
 
 async def fleet_get_async(client) -> list[EngineRow]:
     """The same as fleet_get on an asyncio Redis client (the fleet websocket)."""
     now = time.time()
-    ids = await live_engine_ids(client, now)
-    docs = await client.mget([protocol.engine_key(i.decode()) for i in ids]) if ids else []
-    return engine_rows(docs, now=now)
+    return engine_rows(await protocol.live_heartbeats_async(client, now), now=now)

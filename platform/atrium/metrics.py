@@ -14,7 +14,7 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from core.redis import sync_client
+from core.redis import broker_client, sync_client
 from core.served_models import served_models
 from engine import protocol
 
@@ -43,7 +43,7 @@ class FleetCollector:
         client = sync_client()
         try:
             yield from self._streams(client)
-            yield self._celery(client)
+            yield self._celery(broker_client())
             engines = GaugeMetricFamily("atrium_engines_alive",
                                         "Engines whose heartbeat is fresh.")
             engines.add_metric([], client.zcount(protocol.ENGINES_ZSET,
@@ -62,8 +62,10 @@ class FleetCollector:
         streams = []
         for name in served_models():  # the model's shared stream, then each engine's
             engines = sorted(_text(e) for e in client.smembers(protocol.engine_streams_key(name)))
-            streams += [protocol.request_stream(name), *map(protocol.engine_stream, engines)]
-        for stream in [*streams, protocol.USAGE_STREAM]:
+            streams += [protocol.request_stream(name),
+                        *(protocol.engine_stream(name, e) for e in engines)]
+        usage = protocol.usage_streams(client)
+        for stream in [*streams, *usage]:
             try:
                 groups = client.xinfo_groups(stream)
             except redis.ResponseError:  # no such stream yet
@@ -75,21 +77,22 @@ class FleetCollector:
                 pending.add_metric([stream, name], group.get("pending") or 0)
         yield lag
         yield pending
-        yield self._ingest_lag(client)
+        yield self._ingest_lag(client, usage)
 
-    def _ingest_lag(self, client: redis.Redis) -> Metric:
+    def _ingest_lag(self, client: redis.Redis, usage: list[str]) -> Metric:
         """How old the oldest usage report billing has not written yet is: 0 when none."""
         oldest = []
-        try:
-            summary = client.xpending(protocol.USAGE_STREAM, protocol.USAGE_GROUP)
-            oldest.append(_entry_time(summary.get("min")))
-            [group] = [g for g in client.xinfo_groups(protocol.USAGE_STREAM)
-                       if g["name"] in (protocol.USAGE_GROUP, protocol.USAGE_GROUP.encode())]
-            after = _text(group["last-delivered-id"])
-            unread = client.xrange(protocol.USAGE_STREAM, min=f"({after}", count=1)
-            oldest.append(_entry_time(unread[0][0]) if unread else None)
-        except (redis.ResponseError, ValueError):  # no stream or no group yet: nothing owed
-            pass
+        for stream in usage:
+            try:
+                summary = client.xpending(stream, protocol.USAGE_GROUP)
+                oldest.append(_entry_time(summary.get("min")))
+                [group] = [g for g in client.xinfo_groups(stream)
+                           if g["name"] in (protocol.USAGE_GROUP, protocol.USAGE_GROUP.encode())]
+                after = _text(group["last-delivered-id"])
+                unread = client.xrange(stream, min=f"({after}", count=1)
+                oldest.append(_entry_time(unread[0][0]) if unread else None)
+            except (redis.ResponseError, ValueError):  # no group yet: nothing owed
+                pass
         known = [t for t in oldest if t is not None]
         gauge = GaugeMetricFamily("atrium_billing_ingest_lag_seconds", "Age of the oldest "
                                   "usage report not yet written to the ledger (0: none).")

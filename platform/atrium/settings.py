@@ -135,6 +135,17 @@ except ValueError as exc:
 ATRIUM_REDIS_SENTINELS = _redis_target.sentinels
 ATRIUM_REDIS_SENTINEL_MASTER = _redis_target.master
 ATRIUM_REDIS_SENTINEL_PASSWORD = _redis_target.sentinel_password
+# Redis Cluster, when ATRIUM_REDIS_CLUSTER is true: REDIS_URL names any one node.
+ATRIUM_REDIS_CLUSTER = _redis_target.cluster
+# Celery's broker and result backend: REDIS_URL's Redis, unless this names another. kombu
+# speaks no Redis Cluster, so with one it must name a plain Redis.
+ATRIUM_BROKER_URL = os.environ.get("ATRIUM_BROKER_URL", "")
+if ATRIUM_BROKER_URL and not ATRIUM_BROKER_URL.startswith(REDIS_SCHEMES):
+    raise ImproperlyConfigured(f"ATRIUM_BROKER_URL must start with one of "
+                               f"{', '.join(REDIS_SCHEMES)}; got {ATRIUM_BROKER_URL!r}")
+if ATRIUM_REDIS_CLUSTER and not ATRIUM_BROKER_URL:
+    raise ImproperlyConfigured("ATRIUM_REDIS_CLUSTER needs ATRIUM_BROKER_URL: Celery's broker "
+                               "cannot be a Redis Cluster; name a plain Redis for it")
 
 # The served model: a Hugging Face layout directory. Empty means the demo model.
 ATRIUM_MODEL = os.environ.get("ATRIUM_MODEL", "")
@@ -304,9 +315,10 @@ if ATRIUM_ENGINE_HOUR_COST is not None and not (ATRIUM_ENGINE_HOUR_COST.is_finit
 # Celery's broker and result backend are this Redis and nothing else: no CELERY_*
 # variable overrides it, and atrium.apps refuses to start a process in which Celery's
 # configuration names another (Celery's built-in default is amqp://localhost).
-CELERY_BROKER_URL = celery_redis_url(REDIS_URL, ATRIUM_REDIS_SENTINELS)
+CELERY_BROKER_URL = celery_redis_url(ATRIUM_BROKER_URL) if ATRIUM_BROKER_URL else \
+    celery_redis_url(REDIS_URL, ATRIUM_REDIS_SENTINELS)
 CELERY_RESULT_BACKEND = CELERY_BROKER_URL
-if ATRIUM_REDIS_SENTINELS:
+if ATRIUM_REDIS_SENTINELS and not ATRIUM_BROKER_URL:
     _sentinel_transport = {"master_name": ATRIUM_REDIS_SENTINEL_MASTER, "sentinel_kwargs": {
         k: v for k, v in (("password", ATRIUM_REDIS_SENTINEL_PASSWORD),) if v}}
     CELERY_BROKER_TRANSPORT_OPTIONS = _sentinel_transport

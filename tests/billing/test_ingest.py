@@ -30,9 +30,14 @@ def _report(tenant, rid: str, completion: int = 5, **kw) -> protocol.UsageReport
     return protocol.UsageReport(**fields)
 
 
-def _send(client, *reports) -> None:
+STREAM = protocol.usage_stream("m")
+
+
+def _send(client, *reports, stream: str = STREAM) -> None:
+    """As an engine reports: on its model's stream, named in the set billing reads."""
+    client.sadd(protocol.USAGE_STREAMS_KEY, stream)
     for report in reports:
-        client.xadd(protocol.USAGE_STREAM, report.encode())
+        client.xadd(stream, report.encode())
 
 
 def test_reports_become_ledger_rows_and_leave_the_stream(client, tenant):
@@ -41,7 +46,7 @@ def test_reports_become_ledger_rows_and_leave_the_stream(client, tenant):
     assert UsageRecord.objects.count() == 3
     row = UsageRecord.objects.get(request_id="r0")
     assert (row.prompt_tokens, row.completion_tokens, row.ttft_ms) == (10, 5, 20)
-    assert client.xlen(protocol.USAGE_STREAM) == 0
+    assert client.xlen(STREAM) == 0
 
 
 def test_the_key_and_its_prefix_are_recorded(client, tenant):
@@ -72,11 +77,11 @@ def test_a_consumer_killed_between_write_and_ack_does_not_double_bill(client, te
         with pytest.raises(SystemExit):
             ingest_batch(client, consumer="doomed")
     assert UsageRecord.objects.filter(request_id="crash").count() == 1
-    assert client.xpending(protocol.USAGE_STREAM, protocol.USAGE_GROUP)["pending"] == 1
+    assert client.xpending(STREAM, protocol.USAGE_GROUP)["pending"] == 1
     monkeypatch.setattr("billing.ingest.CLAIM_IDLE_MS", 0)
     handled, added = ingest_batch(client, consumer="survivor")
     assert (handled, added) == (1, 0)
-    assert client.xpending(protocol.USAGE_STREAM, protocol.USAGE_GROUP)["pending"] == 0
+    assert client.xpending(STREAM, protocol.USAGE_GROUP)["pending"] == 0
     assert UsageRecord.objects.filter(request_id="crash").count() == 1
 
 
@@ -99,32 +104,35 @@ def _bad_reports(tenant) -> list[dict]:
 
 
 def test_bad_reports_are_dead_lettered_and_never_block_the_good_ones(client, tenant):
-    ensure_group(client)
+    ensure_group(client, STREAM)
+    client.sadd(protocol.USAGE_STREAMS_KEY, STREAM)
     bad = _bad_reports(tenant)
     _send(client, _report(tenant, "good-1"))
     for fields in bad:
-        client.xadd(protocol.USAGE_STREAM, fields)
+        client.xadd(STREAM, fields)
     _send(client, _report(tenant, "good-2"))
     assert drain(client) == 2
     assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == ["good-1",
                                                                                 "good-2"]
     assert UsageDeadLetter.objects.count() == len(bad)
-    assert client.xlen(protocol.USAGE_STREAM) == 0
-    assert client.xpending(protocol.USAGE_STREAM, protocol.USAGE_GROUP)["pending"] == 0
+    assert client.xlen(STREAM) == 0
+    assert client.xpending(STREAM, protocol.USAGE_GROUP)["pending"] == 0
     ghost = UsageDeadLetter.objects.get(request_id="ghost")
     assert ghost.reason == "no tenant 987654321" and ghost.tenant_ref == "987654321"
     assert "ghost" in ghost.payload
 
 
 def test_dead_letters_are_logged(client, tenant, caplog):
-    client.xadd(protocol.USAGE_STREAM, {"data": "{not json"})
+    client.sadd(protocol.USAGE_STREAMS_KEY, STREAM)
+    client.xadd(STREAM, {"data": "{not json"})
     with caplog.at_level("ERROR", logger="billing.services.ledger"):
         drain(client)
     assert any("dead-lettered" in r.getMessage() for r in caplog.records)
 
 
 def test_a_dead_letter_redelivered_after_a_crash_is_recorded_once(client, tenant, monkeypatch):
-    client.xadd(protocol.USAGE_STREAM, {"data": "{not json"})
+    client.sadd(protocol.USAGE_STREAMS_KEY, STREAM)
+    client.xadd(STREAM, {"data": "{not json"})
     with monkeypatch.context() as m:
         m.setattr(client, "xack", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
         with pytest.raises(SystemExit):
@@ -164,7 +172,7 @@ def test_a_database_outage_leaves_the_batch_pending_for_a_retry(client, tenant, 
         with pytest.raises(OperationalError):
             ingest_batch(client, consumer="c1")
     assert UsageDeadLetter.objects.count() == 0
-    assert client.xpending(protocol.USAGE_STREAM, protocol.USAGE_GROUP)["pending"] == 1
+    assert client.xpending(STREAM, protocol.USAGE_GROUP)["pending"] == 1
     monkeypatch.setattr("billing.ingest.CLAIM_IDLE_MS", 0)
     ingest_batch(client, consumer="c2")
     assert UsageRecord.objects.filter(request_id="later").exists()
@@ -176,3 +184,20 @@ def test_a_cut_short_request_is_billed_for_what_was_made(client, tenant):
     drain(client)
     row = UsageRecord.objects.get(request_id="cancelled")
     assert (row.completion_tokens, row.finish_reason) == (3, "cancelled")
+
+
+def test_every_models_stream_and_protocol_ones_leftovers_are_ingested(client, tenant):
+    """Each model's engines report on the model's own stream; what engines of protocol 1
+    left on ``atrium:usage`` before an upgrade is billed too, until an operator deletes the
+    drained stream."""
+    _send(client, _report(tenant, "a-1"), stream=protocol.usage_stream("alpha"))
+    _send(client, _report(tenant, "b-1"), _report(tenant, "b-2"),
+          stream=protocol.usage_stream("beta"))
+    client.xadd(protocol.LEGACY_USAGE_STREAM, _report(tenant, "old-1").encode())
+    assert protocol.LEGACY_USAGE_STREAM in protocol.usage_streams(client)
+    assert drain(client) == 4
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [
+        "a-1", "b-1", "b-2", "old-1"]
+    client.delete(protocol.LEGACY_USAGE_STREAM)  # an empty stream an operator removed
+    assert protocol.usage_streams(client) == sorted(
+        protocol.usage_stream(m) for m in ("alpha", "beta"))

@@ -29,6 +29,13 @@ from tests.factories import key_factory, member_factory, tenant_factory
 END = datetime(2026, 4, 1, tzinfo=UTC)
 
 
+def deliver(client, report: protocol.UsageReport) -> None:
+    """As an engine of the report's model reports it (protocol.usage_stream)."""
+    stream = protocol.usage_stream(report.model)
+    client.sadd(protocol.USAGE_STREAMS_KEY, stream)
+    client.xadd(stream, report.encode())
+
+
 @pytest.fixture
 def month(db, export_dir, redis_client):
     """Two tenants' March: three models, an adapter surcharge, a price change on the 15th,
@@ -56,7 +63,7 @@ def month(db, export_dir, redis_client):
             usage={"prompt_tokens": prompt, "cached_tokens": rng.randrange(0, prompt + 1),
                    "completion_tokens": rng.randrange(0, 2000)})
         for _ in range(2 if i % 5 == 0 else 1):
-            redis_client.xadd(protocol.USAGE_STREAM, report.encode())
+            deliver(redis_client, report)
     assert drain(redis_client, max_batches=100) == 400
     return tenants
 
@@ -138,10 +145,9 @@ def test_redelivering_the_whole_month_changes_nothing(month, redis_client):
     before = (UsageRecord.objects.count(),
               UsageRollup.objects.aggregate(n=Sum("requests"), c=Sum("cost")))
     for record in UsageRecord.objects.all():
-        redis_client.xadd(protocol.USAGE_STREAM, protocol.UsageReport(
+        deliver(redis_client, protocol.UsageReport(
             request_id=record.request_id, tenant_id=str(record.tenant_id), model=record.model,
-            occurred_at=time.time(), usage={"prompt_tokens": 1, "completion_tokens": 1}
-        ).encode())
+            occurred_at=time.time(), usage={"prompt_tokens": 1, "completion_tokens": 1}))
     assert drain(redis_client, max_batches=100) == 0
     after = (UsageRecord.objects.count(),
              UsageRollup.objects.aggregate(n=Sum("requests"), c=Sum("cost")))

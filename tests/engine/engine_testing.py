@@ -33,11 +33,12 @@ def cancel(client: redis.Redis, request: protocol.EngineRequest) -> None:
         pipe.execute()
 
 
-def read_events(client: redis.Redis, request_id: str, *, timeout: float = 20.0,
+def read_events(client: redis.Redis, request_id: str, *, model: str = "tiny",
+                timeout: float = 20.0,
                 until: Callable[[protocol.Event], bool] | None = None
                 ) -> list[protocol.Event]:
     """The request's events up to its final one (or until ``until`` holds for one)."""
-    stream, last, events = protocol.events_stream(request_id), b"0-0", []
+    stream, last, events = protocol.events_stream(model, request_id), b"0-0", []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for _name, entries in client.xread({stream: last}, block=100) or []:

@@ -22,7 +22,7 @@ RECOVER_FAST = WorkerConfig(idle_block_ms=20, recovery_interval_s=0.1, claim_min
 
 def _place(client: redis.Redis, engine_id: str, request: protocol.EngineRequest) -> bytes:
     """XADDs the request to the engine's own stream, as the web tier does."""
-    return client.xadd(protocol.engine_stream(engine_id), request.encode())
+    return client.xadd(protocol.engine_stream("tiny", engine_id), request.encode())
 
 
 def _beat(client: redis.Redis, engine_id: str) -> protocol.EngineHeartbeat:
@@ -33,7 +33,7 @@ def _fake_peer(client: redis.Redis, engine_id: str, *, queued: int) -> None:
     """A live engine of model "tiny" whose heartbeat says ``queued`` entries wait unread
     (one heartbeat, never renewed: an engine takes from it once)."""
     now = time.time()
-    client.xgroup_create(protocol.engine_stream(engine_id), protocol.ENGINE_GROUP, id="0",
+    client.xgroup_create(protocol.engine_stream("tiny", engine_id), protocol.ENGINE_GROUP, id="0",
                          mkstream=True)
     beat = protocol.EngineHeartbeat(engine_id=engine_id, model="tiny", started_at=now,
                                     sent_at=now, waiting=32, queued=queued)
@@ -48,7 +48,7 @@ def test_a_request_placed_on_an_engine_runs_there(start_worker, redis_client):
     _place(redis_client, "engine-b", request)
     events = read_events(redis_client, request.request_id)
     assert events[0].data == {"engine_id": "engine-b"} and events[-1].is_final
-    stream = protocol.engine_stream("engine-b")
+    stream = protocol.engine_stream("tiny", "engine-b")
     assert redis_client.xlen(stream) == 0
     assert redis_client.xpending(stream, protocol.ENGINE_GROUP)["pending"] == 0
     assert redis_client.smembers(protocol.engine_streams_key("tiny")) == {b"engine-a",
@@ -83,7 +83,7 @@ def test_an_idle_engine_takes_half_of_what_a_busy_peer_has_not_read(start_worker
         _place(redis_client, "busy", request)
     start_worker("engine-a")
     deadline = time.monotonic() + 10
-    while redis_client.xlen(protocol.engine_stream("busy")) > 3:
+    while redis_client.xlen(protocol.engine_stream("tiny", "busy")) > 3:
         assert time.monotonic() < deadline, "nothing was taken from the busy engine"
         time.sleep(0.05)
     for request in requests[:3]:  # the oldest
@@ -91,7 +91,7 @@ def test_an_idle_engine_takes_half_of_what_a_busy_peer_has_not_read(start_worker
     time.sleep(protocol.HEARTBEAT_INTERVAL_S + 0.2)
     beat = _beat(redis_client, "engine-a")
     assert beat.stats["requests_stolen"] == 3
-    assert redis_client.xlen(protocol.engine_stream("busy")) == 3  # the rest left to it
+    assert redis_client.xlen(protocol.engine_stream("tiny", "busy")) == 3  # the rest left to it
     # What Prometheus reads from the engine (its metrics port serves this snapshot).
     text = render_prometheus(beat.stats["engine"], model_name="tiny", engine="engine-a")
     assert 'atrium_engine_requests_stolen_total{engine="engine-a",model_name="tiny"} 3.0' \
@@ -106,9 +106,9 @@ def test_hand_back_moves_unread_entries_to_the_shared_stream_and_settles_them(re
     for request in requests:
         _place(redis_client, "leaving", request)
     assert streams.queued() == 3
-    moved = streams.hand_back(EventWriter(redis_client, engine_id="leaving"))
+    moved = streams.hand_back(EventWriter(redis_client, model="tiny", engine_id="leaving"))
     assert moved == 3 and streams.queued() == 0
-    own = protocol.engine_stream("leaving")
+    own = protocol.engine_stream("tiny", "leaving")
     assert redis_client.xlen(own) == 0
     assert redis_client.xpending(own, protocol.ENGINE_GROUP)["pending"] == 0
     shared = redis_client.xrange(protocol.request_stream("tiny"))
@@ -150,7 +150,7 @@ def test_what_was_placed_on_a_dead_engine_runs_on_a_peer_and_its_stream_goes(
     events = read_events(redis_client, late.request_id)
     assert events[0].data == {"engine_id": "engine-b"} and events[-1].is_final
     deadline = time.monotonic() + 10
-    while redis_client.exists(protocol.engine_stream("engine-a")):
+    while redis_client.exists(protocol.engine_stream("tiny", "engine-a")):
         assert time.monotonic() < deadline, "the dead engine's stream was kept"
         time.sleep(0.05)
     assert redis_client.smembers(protocol.engine_streams_key("tiny")) == {b"engine-b"}

@@ -91,7 +91,7 @@ def start_worker(tiny_model_dir: Path) -> Iterator[Callable[..., Running]]:
 
 
 def _reports(client: redis.Redis) -> list[protocol.UsageReport]:
-    return [protocol.UsageReport.decode(f) for _, f in client.xrange(protocol.USAGE_STREAM)]
+    return [protocol.UsageReport.decode(f) for _, f in client.xrange(protocol.usage_stream("tiny"))]
 
 
 def _tokens(events: list[protocol.Event]) -> int:
@@ -265,7 +265,7 @@ def test_a_batch_whose_exec_reply_was_lost_is_not_written_twice(redis_server, mo
     request = make_request(PROMPT)
     entry_id = submit(client, request)
     client.xreadgroup(protocol.ENGINE_GROUP, "e", {stream: ">"}, count=1)
-    writer = EventWriter(client, engine_id="e")
+    writer = EventWriter(client, model="tiny", engine_id="e")
     real = redis.client.Pipeline.execute
 
     def reply_lost(self, *args, **kwargs):
@@ -282,7 +282,7 @@ def test_a_batch_whose_exec_reply_was_lost_is_not_written_twice(redis_server, mo
     monkeypatch.undo()
     writer.flush()
     assert not writer.backlog
-    raw = client.xrange(protocol.events_stream(request.request_id))
+    raw = client.xrange(protocol.events_stream("tiny", request.request_id))
     events = [protocol.Event.decode(f) for _, f in raw]
     assert [(e.seq, e.type) for e in events] == [
         (0, protocol.EV_ACCEPTED), (1, protocol.EV_DELTA), (2, protocol.EV_FINISH)]
@@ -299,7 +299,7 @@ def test_events_made_while_redis_is_down_are_written_in_order_when_it_answers(re
         entry_id = submit(client, request)
         client.xreadgroup(protocol.ENGINE_GROUP, "e", {stream: ">"}, count=1)
     client = redis.Redis.from_url(server.url, **redis_options(WorkerConfig()))
-    writer = EventWriter(client, engine_id="e")
+    writer = EventWriter(client, model="tiny", engine_id="e")
     writer.accept(Entry(stream, entry_id), request, "e")
     server.kill()
     rid = request.request_id
@@ -313,7 +313,7 @@ def test_events_made_while_redis_is_down_are_written_in_order_when_it_answers(re
     server.start()  # empty: the accepted event is gone with the old server
     writer.flush()
     events = [protocol.Event.decode(f) for _, f in
-              client.xrange(protocol.events_stream(rid))]
+              client.xrange(protocol.events_stream("tiny", rid))]
     assert [(e.seq, e.type) for e in events] == [
         (1, "delta"), (2, "delta"), (3, "delta"), (4, "finish")]
     assert [e.data["text"] for e in events[:3]] == ["t0", "t1", "t2"]

@@ -9,7 +9,7 @@ from engine import protocol
 
 
 def _reports(client) -> list[protocol.UsageReport]:
-    return [protocol.UsageReport.decode(f) for _, f in client.xrange(protocol.USAGE_STREAM)]
+    return [protocol.UsageReport.decode(f) for _, f in client.xrange(protocol.usage_stream("tiny"))]
 
 
 def test_a_finished_request_reports_its_usage_once(start_worker, redis_client):
@@ -49,7 +49,7 @@ def test_a_refused_request_reports_nothing(start_worker, redis_client):
 def test_a_lost_request_reports_the_tokens_its_dead_engine_made(start_worker, redis_client):
     request = make_request(PROMPT, max_tokens=5)
     _left_by_dead_engine(redis_client, request)
-    events = protocol.events_stream(request.request_id)
+    events = protocol.events_stream("tiny", request.request_id)
     redis_client.xadd(events, protocol.Event(0, protocol.EV_ACCEPTED,
                                              {"engine_id": "dead"}).encode())
     redis_client.xadd(events, protocol.Event(1, protocol.EV_DELTA,

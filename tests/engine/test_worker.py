@@ -38,7 +38,7 @@ def test_request_gets_accepted_deltas_and_a_finish_with_usage(
     assert final.type == protocol.EV_FINISH and final.data["finish_reason"] == "length"
     assert final.data["usage"]["completion_tokens"] == len(token_ids) == 12
     assert final.data["usage"]["prompt_tokens"] == len(PROMPT)
-    assert redis_client.ttl(protocol.events_stream(request.request_id)) > 0
+    assert redis_client.ttl(protocol.events_stream("tiny", request.request_id)) > 0
     assert_queue_empty(redis_client)
 
 
@@ -58,7 +58,7 @@ def test_a_cancel_mid_generation_finishes_cancelled_within_a_few_tokens(
 def test_every_write_of_a_requests_events_names_it_on_its_readers_notify_stream(
         start_worker, redis_client):
     start_worker()
-    notify = protocol.notify_stream("reader-1")
+    notify = protocol.notify_stream("tiny", "reader-1")
     request = make_request(PROMPT, max_tokens=5, notify=notify)
     submit(redis_client, request)
     events = read_events(redis_client, request.request_id)
@@ -68,7 +68,7 @@ def test_every_write_of_a_requests_events_names_it_on_its_readers_notify_stream(
     # One notice per write (a write holds one event or more), the last one with the final
     # event's write.
     assert 1 <= len(notices) <= len(events)
-    (last_event_id, _), = redis_client.xrevrange(protocol.events_stream(request.request_id),
+    (last_event_id, _), = redis_client.xrevrange(protocol.events_stream("tiny", request.request_id),
                                                  count=1)
     assert int(notices[-1][0].split(b"-")[0]) >= int(last_event_id.split(b"-")[0])
     assert redis_client.ttl(notify) > 0
@@ -95,7 +95,7 @@ def test_a_cancel_stops_only_its_request(start_worker, redis_client):
     stopped = read_events(redis_client, requests[1].request_id)[-1]
     assert stopped.data["finish_reason"] == "cancelled"
     for other in (requests[0], requests[2]):
-        (_id, fields), = redis_client.xrevrange(protocol.events_stream(other.request_id),
+        (_id, fields), = redis_client.xrevrange(protocol.events_stream("tiny", other.request_id),
                                                 count=1)
         assert not protocol.Event.decode(fields).is_final  # still generating
         cancel(redis_client, other)
@@ -286,7 +286,7 @@ def test_a_draining_engine_finishes_what_it_holds_and_leaves_new_work_to_others(
     worker.thread.join(10)
     assert not worker.thread.is_alive() and _beat(redis_client, "engine-a") is None
     assert redis_client.zscore(protocol.ENGINES_ZSET, "engine-a") is None
-    assert redis_client.xlen(protocol.events_stream(later.request_id)) == 0  # not taken
+    assert redis_client.xlen(protocol.events_stream("tiny", later.request_id)) == 0  # not taken
     start_worker("engine-b")
     assert read_events(redis_client, later.request_id)[-1].type == protocol.EV_FINISH
 
@@ -320,7 +320,7 @@ def test_a_request_its_dead_engine_had_streamed_from_gets_engine_lost(start_work
                                                                      redis_client):
     request = make_request(PROMPT, max_tokens=5)
     _left_by_dead_engine(redis_client, request)
-    events = protocol.events_stream(request.request_id)
+    events = protocol.events_stream("tiny", request.request_id)
     redis_client.xadd(events, protocol.Event(0, protocol.EV_ACCEPTED,
                                              {"engine_id": "dead"}).encode())
     redis_client.xadd(events, protocol.Event(1, protocol.EV_DELTA,
@@ -335,14 +335,14 @@ def test_a_request_its_dead_engine_had_streamed_from_gets_engine_lost(start_work
 
 def _usage_reports(client: redis.Redis, request_id: str) -> int:
     return sum(protocol.UsageReport.decode(fields).request_id == request_id
-               for _, fields in client.xrange(protocol.USAGE_STREAM))
+               for _, fields in client.xrange(protocol.usage_stream("tiny")))
 
 
 def test_a_request_its_dead_engine_accepted_but_wrote_no_token_for_runs_again(
         start_worker, redis_client):
     request = make_request(PROMPT, max_tokens=4, ignore_eos=True)
     _left_by_dead_engine(redis_client, request)
-    redis_client.xadd(protocol.events_stream(request.request_id), protocol.Event(
+    redis_client.xadd(protocol.events_stream("tiny", request.request_id), protocol.Event(
         0, protocol.EV_ACCEPTED, {"engine_id": "dead"}).encode())
     start_worker(config=RECOVER_FAST)
     events = read_events(redis_client, request.request_id)
@@ -372,7 +372,7 @@ def test_requests_of_a_live_engine_are_left_alone(start_worker, redis_client):
     redis_client.zadd(protocol.ENGINES_ZSET, {"dead": time.time() + 60})  # alive after all
     start_worker(config=RECOVER_FAST)
     time.sleep(0.5)
-    assert not redis_client.exists(protocol.events_stream(request.request_id))
+    assert not redis_client.exists(protocol.events_stream("tiny", request.request_id))
     pending = redis_client.xpending_range(protocol.request_stream("tiny"),
                                           protocol.ENGINE_GROUP, "-", "+", 10)
     assert [p["consumer"] for p in pending] == [b"dead"]
@@ -384,7 +384,7 @@ def test_restart_under_the_same_engine_id_settles_its_own_leftovers(start_worker
     redis_client.xgroup_create(stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
     submit(redis_client, request)
     redis_client.xreadgroup(protocol.ENGINE_GROUP, "engine-a", {stream: ">"}, count=1)
-    redis_client.xadd(protocol.events_stream(request.request_id),
+    redis_client.xadd(protocol.events_stream("tiny", request.request_id),
                       protocol.Event(0, protocol.EV_ACCEPTED, {"engine_id": "engine-a"}).encode())
     start_worker()  # default config: recovery of others only after 15 s
     events = read_events(redis_client, request.request_id, timeout=5)

@@ -17,7 +17,7 @@ from tests.engine.engine_testing import make_request
 
 MODEL = "m"
 # Where a request for MODEL is placed: its one live engine's stream (inference/routing.py).
-STREAM = protocol.engine_stream("e1")
+STREAM = protocol.engine_stream(MODEL, "e1")
 
 
 def _run(scenario):
@@ -57,7 +57,7 @@ async def _engine_writes(client, dispatch: Dispatch, *events: tuple[str, dict],
     stream its reader is notified on."""
     request = dispatch.request
     for seq, (kind, data) in enumerate(events, start=first_seq):
-        await client.xadd(protocol.events_stream(request.request_id),
+        await client.xadd(protocol.events_stream(MODEL, request.request_id),
                           protocol.Event(seq, kind, data).encode())
         await client.xadd(request.notify, {request.request_id: 1})
 
@@ -104,7 +104,7 @@ def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(red
     dispatch = _run(scenario)
     assert dispatch.usage == usage and dispatch.counted_usage() == usage
     assert dispatch.owner == "e1" and dispatch.completion_tokens == 3
-    assert not redis_client.exists(protocol.events_stream("chatcmpl-abc"))
+    assert not redis_client.exists(protocol.events_stream(MODEL, "chatcmpl-abc"))
 
 
 def test_without_a_final_event_the_count_is_what_recovery_would_report(redis_client):

@@ -90,3 +90,162 @@ def test_a_spent_cap_refuses_on_a_three_shard_cluster(cluster):
         return refused
 
     assert asyncio.run(scenario()) == [bool(t % 2) for t in TENANTS]
+
+
+def _models_on_two_shards(cluster) -> list[str]:
+    """Two model names whose keys (protocol.model_prefix) live on different shards."""
+    from engine import protocol
+
+    names, shards = [], set()
+    for i in range(64):
+        name = f"tiny-{i}"
+        shard = cluster.shard_of(protocol.model_prefix(name))
+        if shard not in shards:
+            names.append(name)
+            shards.add(shard)
+        if len(names) == 2:
+            return names
+    raise AssertionError("no two model names on two shards")
+
+
+def test_the_events_path_runs_on_a_three_shard_cluster(cluster, tiny_model_path, monkeypatch,
+                                                        db):
+    """Two models' engines on a cluster (ATRIUM_REDIS_CLUSTER, as an operator sets it): the
+    web tier places, relays and cancels their requests, every MULTI of the engines (events,
+    usage report, XACK) lands in its model's slot, and billing ingests each model's usage
+    stream into the ledger."""
+    import threading
+    import time
+
+    from billing.ingest import drain
+    from billing.models import UsageRecord
+    from engine import protocol
+    from engine.redis_connect import RedisTarget
+    from engine.worker import WorkerConfig, run_worker
+    from inference.dispatch import Dispatch
+    from inference.relay import EventHub
+    from tests.engine.engine_testing import make_request
+    from tests.factories import tenant_factory
+
+    monkeypatch.setenv("ATRIUM_REDIS_CLUSTER", "true")
+    url = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
+    models = _models_on_two_shards(cluster)
+    tenant = tenant_factory()
+    stop, errors, threads = threading.Event(), [], []
+
+    def serve(model: str) -> None:
+        try:
+            run_worker(redis_url=url, model_dir=tiny_model_path, model_name=model,
+                       engine_id=f"engine-{model}", stop=stop,
+                       config=WorkerConfig(idle_block_ms=20, drain_s=0))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    for model in models:
+        threads.append(threading.Thread(target=serve, args=(model,), daemon=True))
+        threads[-1].start()
+
+    async def one(client, hub, model: str, *, cancel: bool) -> int:
+        request = make_request([5, 6, 7, 8] * 4, model=model, max_tokens=200 if cancel else 8,
+                               ignore_eos=cancel)
+        request.tenant_id = str(tenant.pk)
+        dispatch = Dispatch(client, request, time.time() + 60, hub.subscribe())
+        await dispatch.submit()
+        async for event in dispatch.events():
+            if event is not None and cancel and event.type == protocol.EV_DELTA:
+                await dispatch.cancel()
+                await dispatch.wait_final(10)
+                break
+            if event is not None and event.is_final:
+                break
+        return dispatch.counted_usage()["completion_tokens"]
+
+    async def scenario():
+        client = RedisTarget.from_env(url).async_client()
+        assert type(client).__name__ == "RedisCluster"
+        hub = EventHub(client)
+        try:
+            deadline = time.time() + 60
+            while len(await protocol.live_heartbeats_async(client, time.time())) < 2:
+                assert time.time() < deadline and not errors, errors
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*(one(client, hub, m, cancel=c)
+                                          for m in models for c in (False, True)))
+        finally:
+            await client.aclose()
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, errors
+    assert results[0::2] == [8, 8]  # finished
+    assert all(0 < tokens < 200 for tokens in results[1::2]), results  # cancelled
+
+    client = RedisTarget.from_env(url).client()
+    try:
+        streams = protocol.usage_streams(client)
+        assert streams == sorted(protocol.usage_stream(m) for m in models)
+        assert len({cluster.shard_of(s) for s in streams}) == 2
+        assert drain(client) == 4  # two requests of each model: one ledger row each
+    finally:
+        client.close()
+    rows = UsageRecord.objects.filter(tenant=tenant)
+    assert sorted(rows.values_list("model", flat=True)) == sorted(models * 2)
+
+
+def test_the_platform_reaches_a_cluster_its_settings_name(cluster, settings):
+    """ATRIUM_REDIS_CLUSTER: the platform's clients (core/redis.py) are cluster clients, and
+    each reaches keys on every shard."""
+    from core import redis as core_redis
+
+    settings.REDIS_URL = f"redis://127.0.0.1:{cluster.nodes[1].port}/0"
+    settings.ATRIUM_REDIS_CLUSTER = True
+    keys = [f"k{i}" for i in range(12)]
+    assert {cluster.shard_of(k) for k in keys} == set(range(SHARDS))
+    core_redis.sync_client.cache_clear()
+    try:
+        client = core_redis.sync_client()
+        for key in keys:
+            client.set(key, key)
+
+        async def read() -> list[bytes]:
+            aclient = core_redis.async_client()
+            try:
+                return [await aclient.get(k) for k in keys]
+            finally:
+                await aclient.aclose()
+                core_redis._async_clients.clear()
+
+        assert asyncio.run(read()) == [k.encode() for k in keys]
+    finally:
+        core_redis.sync_client.cache_clear()
+
+
+def test_a_cluster_needs_a_broker_of_its_own_and_no_sentinels():
+    """Celery cannot use a cluster; a cluster has no Sentinel and no database but 0."""
+    import subprocess
+    import sys
+
+    from engine.redis_connect import RedisTarget
+
+    with pytest.raises(ValueError, match="exclude each other"):
+        RedisTarget.from_env("redis://n1:7000/0", {"ATRIUM_REDIS_CLUSTER": "true",
+                                                   "ATRIUM_REDIS_SENTINELS": "s1:26379"})
+    with pytest.raises(ValueError, match="database 0 only"):
+        RedisTarget.from_env("redis://n1:7000/3", {"ATRIUM_REDIS_CLUSTER": "yes"})
+    with pytest.raises(ValueError, match="true or false"):
+        RedisTarget.from_env("redis://n1:7000/0", {"ATRIUM_REDIS_CLUSTER": "maybe"})
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "platform:.", "ATRIUM_REDIS_CLUSTER": "1",
+           "REDIS_URL": "redis://127.0.0.1:7000/0", "DJANGO_SETTINGS_MODULE": "atrium.settings"}
+    refused = subprocess.run([sys.executable, "-c", "import django; django.setup()"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "ATRIUM_BROKER_URL" in refused.stderr
+    env["ATRIUM_BROKER_URL"] = "redis://127.0.0.1:6380/0"
+    broker = subprocess.run([sys.executable, "-c", "import django; django.setup(); "
+                             "from django.conf import settings; "
+                             "print(settings.CELERY_BROKER_URL)"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert broker.stdout.strip() == "redis://127.0.0.1:6380/0", broker.stderr

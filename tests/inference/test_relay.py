@@ -27,10 +27,14 @@ def _run(scenario):
     return asyncio.run(wrapped())
 
 
-async def _write(client, request_id: str, *seqs: int, notify: str | None = None) -> None:
+MODEL = "m"
+
+
+async def _write(client, request_id: str, *seqs: int, notify: str | None = None,
+                 model: str = MODEL) -> None:
     """Events as an engine writes them: each also named on ``notify`` when given."""
     for seq in seqs:
-        await client.xadd(protocol.events_stream(request_id),
+        await client.xadd(protocol.events_stream(model, request_id),
                           protocol.Event(seq, protocol.EV_DELTA, {"text": str(seq)}).encode())
         if notify:
             await client.xadd(notify, {request_id: 1})
@@ -50,7 +54,7 @@ def test_many_requests_are_each_handed_their_own_events_in_order(redis_client):
         hub = EventHub(client)
         subscriptions = {f"r{i}": hub.subscribe() for i in range(50)}
         for request_id, subscription in subscriptions.items():
-            notify = subscription.attach(request_id)
+            notify = subscription.attach(MODEL, request_id)
         for seq in range(5):
             for request_id in subscriptions:
                 await _write(client, request_id, seq, notify=notify)
@@ -80,11 +84,11 @@ def test_a_notice_has_its_stream_read_at_once_and_alone(redis_client, monkeypatc
         hub = EventHub(client)
         waiting = [hub.subscribe() for _ in range(200)]
         for i, subscription in enumerate(waiting):
-            notify = subscription.attach(f"idle{i}")
+            notify = subscription.attach(MODEL, f"idle{i}")
         await asyncio.sleep(0.3)  # the first sweep is over: the reader waits for notices
         sizes = _counting_reads(client)
         late = hub.subscribe()
-        late.attach("late")
+        late.attach(MODEL, "late")
         await _write(client, "late", 0, notify=notify)
         entries = await late.read(10.0)
         return [protocol.Event.decode(fields).seq for _, fields in entries], sizes
@@ -101,7 +105,7 @@ def test_events_written_without_a_notice_are_read_by_the_sweep(redis_client, mon
     async def scenario(client):
         hub = EventHub(client)
         subscription = hub.subscribe()
-        subscription.attach("quiet")
+        subscription.attach(MODEL, "quiet")
         await asyncio.sleep(0.1)
         await _write(client, "quiet", 0, 1)  # no notice
         return await _read_all(subscription, 2)
@@ -116,7 +120,7 @@ def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(redis_client, monkey
     async def scenario(client):
         hub = EventHub(client)
         slow = hub.subscribe()
-        notify = slow.attach("slow")
+        notify = slow.attach(MODEL, "slow")
         await _write(client, "slow", *range(30), notify=notify)
         await asyncio.sleep(0.5)  # the reader had every chance to read on
         held = len(slow.entries)
@@ -157,7 +161,7 @@ def test_redis_going_away_is_a_503_for_the_waiting_requests(tmp_path):
         try:
             hub = EventHub(client)
             waiting = hub.subscribe()
-            waiting.attach("w")
+            waiting.attach(MODEL, "w")
             await asyncio.sleep(0.2)
             server.kill()
             with pytest.raises(ServiceUnavailable):
@@ -171,3 +175,32 @@ def test_redis_going_away_is_a_503_for_the_waiting_requests(tmp_path):
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+def test_each_model_is_read_on_a_lane_of_its_own(redis_client):
+    """Every XREAD names the streams of one model only: its keys share one Redis Cluster
+    slot (protocol.model_prefix), where a read across slots is refused."""
+    from redis.crc import key_slot
+
+    async def scenario(client):
+        hub = EventHub(client)
+        sizes = []
+        xread = client.xread
+
+        async def one_slot(streams, *args, **kwargs):
+            sizes.append({key_slot(k if isinstance(k, bytes) else k.encode()) for k in streams})
+            return await xread(streams, *args, **kwargs)
+
+        client.xread = one_slot
+        subscriptions = {(model, f"{model}-r{i}"): hub.subscribe()
+                         for model in ("alpha", "beta") for i in range(3)}
+        notices = {key: s.attach(*key) for key, s in subscriptions.items()}
+        for (model, rid), notify in notices.items():
+            await _write(client, rid, 0, 1, notify=notify, model=model)
+        got = {key: await _read_all(s, 2) for key, s in subscriptions.items()}
+        return got, sizes, set(notices.values())
+
+    got, sizes, notify_streams = _run(scenario)
+    assert all(v == [0, 1] for v in got.values())
+    assert len(notify_streams) == 2  # one notify stream per model
+    assert sizes and all(len(slots) == 1 for slots in sizes), sizes

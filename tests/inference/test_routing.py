@@ -49,7 +49,7 @@ def test_the_engine_holding_the_tenants_prefix_gets_the_request():
     for _ in range(20):
         placement = Router().place(request, beats)
         assert placement.engine_id == "warm" and placement.cached_tokens == 64 * 16
-        assert placement.stream == protocol.engine_stream("warm")
+        assert placement.stream == protocol.engine_stream(request.model, "warm")
 
 
 def test_a_burst_sharing_a_prefix_follows_its_first_request_before_any_heartbeat():

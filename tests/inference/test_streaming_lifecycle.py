@@ -34,7 +34,8 @@ def _usage_report(redis_client, request_id: str) -> protocol.UsageReport:
     """The engine's own account of a request it settled (its final event's usage)."""
     deadline = time.time() + 10
     while time.time() < deadline:
-        for _, fields in redis_client.xrange(protocol.USAGE_STREAM):
+        for _, fields in (entry for stream in protocol.usage_streams(redis_client)
+                          for entry in redis_client.xrange(stream)):
             report = protocol.UsageReport.decode(fields)
             if report.request_id == request_id:
                 return report

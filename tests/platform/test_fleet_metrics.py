@@ -19,18 +19,19 @@ def test_the_billing_backlog_and_dead_letters_are_read_at_each_scrape(transactio
     from billing.models import UsageDeadLetter
 
     assert _scrape()[("atrium_billing_ingest_lag_seconds", ())] == 0
-    redis_client.xgroup_create(protocol.USAGE_STREAM, protocol.USAGE_GROUP, id="0",
-                               mkstream=True)
+    usage = protocol.usage_stream("m")
+    redis_client.sadd(protocol.USAGE_STREAMS_KEY, usage)
+    redis_client.xgroup_create(usage, protocol.USAGE_GROUP, id="0", mkstream=True)
     added_ms = int(time.time() * 1000) - 5000  # a report made five seconds ago
-    redis_client.xadd(protocol.USAGE_STREAM, {"x": "1"}, id=f"{added_ms}-0")
-    redis_client.xadd(protocol.USAGE_STREAM, {"x": "2"})
+    redis_client.xadd(usage, {"x": "1"}, id=f"{added_ms}-0")
+    redis_client.xadd(usage, {"x": "2"})
     before = _scrape()
-    stream = (("group", protocol.USAGE_GROUP), ("stream", protocol.USAGE_STREAM))
+    stream = (("group", protocol.USAGE_GROUP), ("stream", usage))
     assert before[("atrium_redis_stream_lag", stream)] == 2
     assert before[("atrium_redis_stream_pending", stream)] == 0
     assert 5 <= before[("atrium_billing_ingest_lag_seconds", ())] < 60
     # Read and not acknowledged: still owed, still the oldest.
-    redis_client.xreadgroup(protocol.USAGE_GROUP, "c1", {protocol.USAGE_STREAM: ">"}, count=1)
+    redis_client.xreadgroup(protocol.USAGE_GROUP, "c1", {usage: ">"}, count=1)
     after = _scrape()
     assert after[("atrium_redis_stream_lag", stream)] == 1
     assert after[("atrium_redis_stream_pending", stream)] == 1
@@ -50,7 +51,7 @@ def test_celery_queue_and_live_engines(transactional_db, redis_client):
 
 def test_each_request_stream_of_a_model_reports_its_lag(transactional_db, redis_client,
                                                          served_model):
-    shared, own = protocol.request_stream(served_model), protocol.engine_stream("e1")
+    shared, own = protocol.request_stream(served_model), protocol.engine_stream(served_model, "e1")
     for stream in (shared, own):
         redis_client.xgroup_create(stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
     redis_client.sadd(protocol.engine_streams_key(served_model), "e1")

@@ -122,7 +122,7 @@ def test_an_engine_has_its_bills_confirmed_by_a_replica_and_passes_a_stalled_one
     from engine.events import EventWriter
 
     client = sentinel_set.master.client()
-    writer = EventWriter(client, engine_id="e", wait_replicas=1, wait_ms=300)
+    writer = EventWriter(client, model="m", engine_id="e", wait_replicas=1, wait_ms=300)
 
     def bill() -> float:
         batch = writer._batch()

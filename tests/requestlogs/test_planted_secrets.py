@@ -28,6 +28,7 @@ from django.db import connection
 from openai import OpenAI
 from tokenizers import Tokenizer
 
+from engine import protocol
 from redaction.detectors import luhn_ok
 from redaction.jsonlog import JsonFormatter
 from requestlogs.models import RequestLog
@@ -309,7 +310,7 @@ def test_planted_secrets_reach_no_sink_unredacted(api_server, served_model, echo
     redis_text = _redis_text(redis_lib.Redis.from_url(settings.REDIS_URL), tokenizer)
     # The engines' usage reports wait in Redis for the billing ledger: scanned there, then
     # billed, and the ledger exported (docs/billing.md): scanned as table rows and files.
-    assert "atrium:usage" in redis_text
+    assert protocol.usage_stream(served_model) in redis_text
     _bill_and_export(list(Tenant.objects.filter(slug__in=callers)), started)
     sinks = {
         "log output": "\n".join(captured_logs.lines),
