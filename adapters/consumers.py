@@ -17,7 +17,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 
 from adapters.services import events_channel
 from core.errors import ApiError, AuthenticationFailed
-from core.redis import async_client
+from core.redis import async_pubsub
 from core.websockets import (
     CLOSE_FORBIDDEN,
     origin_allowed,
@@ -78,7 +78,7 @@ class AdapterEventsConsumer(AsyncWebsocketConsumer):
             await self.accept()
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        self.pubsub = async_client().pubsub()
+        self.pubsub = await async_pubsub()
         await self.pubsub.subscribe(events_channel(tenant_id))
         await self.accept()
         self.relay = asyncio.create_task(self._relay())

@@ -126,3 +126,12 @@ def broker_client() -> redis.Redis:
     if not settings.ATRIUM_BROKER_URL:
         return sync_client()
     return redis.Redis.from_url(settings.ATRIUM_BROKER_URL, **_options())
+
+
+async def async_pubsub() -> Any:
+    """A pub/sub of the running loop's client. NOTE: a cluster client learns its slots on
+    its first command, and a pub/sub's SUBSCRIBE does not teach it: it is taught first."""
+    client = async_client()
+    if isinstance(client, aioredis.RedisCluster):
+        await client.initialize()
+    return client.pubsub()

@@ -197,8 +197,8 @@ def test_the_events_path_runs_on_a_three_shard_cluster(cluster, tiny_model_path,
 
 
 def test_the_platform_reaches_a_cluster_its_settings_name(cluster, settings):
-    """ATRIUM_REDIS_CLUSTER: the platform's clients (core/redis.py) are cluster clients, and
-    each reaches keys on every shard."""
+    """ATRIUM_REDIS_CLUSTER: the platform's clients (core/redis.py) are cluster clients:
+    each reaches keys on every shard, and a message published reaches a subscriber."""
     from core import redis as core_redis
 
     settings.REDIS_URL = f"redis://127.0.0.1:{cluster.nodes[1].port}/0"
@@ -211,15 +211,24 @@ def test_the_platform_reaches_a_cluster_its_settings_name(cluster, settings):
         for key in keys:
             client.set(key, key)
 
-        async def read() -> list[bytes]:
+        async def read() -> tuple[list[bytes], bytes]:
             aclient = core_redis.async_client()
+            pubsub = await core_redis.async_pubsub()  # as the adapter events socket listens
             try:
-                return [await aclient.get(k) for k in keys]
+                await pubsub.subscribe("atrium:adapters:events:7")
+                await asyncio.sleep(0.2)
+                client.publish("atrium:adapters:events:7", "news")  # as adapters publish
+                async with asyncio.timeout(10):
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            break
+                return [await aclient.get(k) for k in keys], message["data"]
             finally:
+                await pubsub.aclose()
                 await aclient.aclose()
                 core_redis._async_clients.clear()
 
-        assert asyncio.run(read()) == [k.encode() for k in keys]
+        assert asyncio.run(read()) == ([k.encode() for k in keys], b"news")
     finally:
         core_redis.sync_client.cache_clear()
 
