@@ -258,3 +258,34 @@ def test_a_cluster_needs_a_broker_of_its_own_and_no_sentinels():
                              "print(settings.CELERY_BROKER_URL)"],
                             env=env, capture_output=True, text=True, timeout=60)
     assert broker.stdout.strip() == "redis://127.0.0.1:6380/0", broker.stderr
+
+
+def test_budgets_of_tenants_on_every_shard_are_published_and_enforced(cluster):
+    """billing's publish writes many tenants' budget definitions at once (each tenant's
+    keys on its own shard), and admission enforces each tenant's."""
+    from billing import budgets
+
+    assert {cluster.shard_of(budgets.defs_key(t)) for t in TENANTS} == set(range(SHARDS))
+    with cluster.client() as client:
+        budgets.defs_set(client, {t: {"t:-:day": budgets.Definition(t, 1000, None)}
+                                  for t in TENANTS})
+        budgets.defs_set(client, {TENANTS[0]: {}})  # a tenant whose budgets were deleted
+
+    async def scenario() -> list[bool]:
+        client = cluster.async_client()
+        refused = []
+        try:
+            for tenant_id in TENANTS:
+                admit = quota.admit(client, principal=_principal(tenant_id),
+                                    request_id=f"b{tenant_id}", prompt_tokens=1,
+                                    max_tokens=0, lease_s=60, cost_micros=5000)
+                try:
+                    await admit
+                    refused.append(False)
+                except QuotaExceeded:
+                    refused.append(True)
+        finally:
+            await client.aclose()
+        return refused
+
+    assert asyncio.run(scenario()) == [False] + [True] * (len(TENANTS) - 1)
