@@ -133,10 +133,8 @@ class Fleet:
         return totals
 
     def beats(self) -> list[protocol.EngineHeartbeat]:
-        since = time.time() - protocol.HEARTBEAT_TTL_S
-        ids = self.client.zrangebyscore(protocol.ENGINES_ZSET, since, "+inf")
-        docs = self.client.mget([protocol.engine_key(i.decode()) for i in ids]) if ids else []
-        return [b for b in (protocol.EngineHeartbeat.decode(d) for d in docs if d)
+        docs = protocol.live_heartbeats(self.client, time.time())
+        return [b for b in (protocol.EngineHeartbeat.decode(d) for d in docs)
                 if b.model == MODEL and not b.draining]
 
 
