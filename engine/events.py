@@ -93,8 +93,7 @@ class EventWriter:
                  wait_replicas: int = 0, wait_ms: int = 100) -> None:
         self.client = client
         self.model = model
-        self.usage_stream = protocol.usage_stream(model)
-        self._usage_registered = False  # billing knows of usage_stream (USAGE_STREAMS_KEY)
+        self.usage_stream = protocol.usage_stream(model)  # named to billing each heartbeat
         # With replicas (Redis Sentinel): a batch that reports usage is confirmed by this
         # many of them (WAIT) before it counts as written, so a failover right after it
         # cannot lose a bill (docs/deploy.md#redis-high-availability).
@@ -148,7 +147,12 @@ class EventWriter:
                     notify: str | None = None) -> None:
         """``request`` given: it had been accepted, so its usage is reported for billing."""
         batch = self._batch()
-        batch.add_event(self.model, request_id, event, notify or (request and request.notify))
+        notify = notify or (request and request.notify)
+        # NOTE: only this model's notify streams: a request of another model (refused) names
+        # its own, in another Redis Cluster slot than this batch's MULTI.
+        if notify and not notify.startswith(protocol.notify_stream(self.model, "")):
+            notify = None
+        batch.add_event(self.model, request_id, event, notify)
         if request is not None:
             self._report_usage(batch, request, event)
         self._settle(batch, entry)
@@ -196,11 +200,6 @@ class EventWriter:
         self.flush()
 
     def _execute(self, batch: _Batch) -> None:
-        if batch.reported and not self._usage_registered:
-            # NOTE: before the first report, outside the MULTI (another slot): billing
-            # reads the streams this set names.
-            self.client.sadd(protocol.USAGE_STREAMS_KEY, self.usage_stream)
-            self._usage_registered = True
         with self.client.pipeline(transaction=True) as pipe:
             for command, args, kwargs in batch.commands:
                 getattr(pipe, command)(*args, **kwargs)

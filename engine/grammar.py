@@ -155,16 +155,20 @@ class GrammarState:
     def accepts_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar accepts in order (a draft's part worth
         verifying), a stop token not among them; the state is left where it was."""
-        accepted = 0
-        for token in tokens:
-            if self._matcher.is_terminated() or not self.accept(token):
-                break
-            accepted += 1
         if self._matcher.is_terminated():
-            accepted -= 1  # NOTE: no mask follows a stop token; the model's own sample may end it
-            self.rollback(1)
-        self.rollback(accepted)
-        return accepted
+            return 0
+        taken = 0
+        for token in tokens:
+            if not self.accept(token):
+                break
+            taken += 1
+            if self._matcher.is_terminated():
+                break
+        ended = self._matcher.is_terminated()
+        self.rollback(taken)
+        # NOTE: a stop token is not verified: no mask follows it, and the model's own sample
+        # at that position may still end the text there.
+        return taken - 1 if ended else taken
 
     def fill_along(self, tokens: Sequence[int]) -> FilledMasks:
         """The allowed tokens at each position of a draft the grammar accepts: before

@@ -250,6 +250,9 @@ class Worker:
             pipe.zadd(protocol.ENGINES_ZSET, {self.engine_id: now})
             pipe.set(protocol.engine_key(self.engine_id), beat.encode(),
                      ex=math.ceil(protocol.HEARTBEAT_TTL_S))
+            # Billing reads the usage streams this set names: said again each heartbeat, so
+            # a Redis that lost the set (restarted, failed over) learns it within a second.
+            pipe.sadd(protocol.USAGE_STREAMS_KEY, self.events.usage_stream)
             pipe.execute()
         self.registered = True
         self._next_heartbeat = time.monotonic() + protocol.HEARTBEAT_INTERVAL_S

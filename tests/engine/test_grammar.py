@@ -368,3 +368,18 @@ def test_a_draft_is_verified_up_to_its_stop_token(grammars: Grammars, token_byte
     assert masks.rows == [0, 1, 2, 3, 4]
     assert masks.bitmask[4].any()  # the stop token is allowed after the closing quote
     assert state.accept(quote)  # the state was left at the start
+
+
+def test_a_finished_grammar_verifies_no_draft_and_stays_finished(grammars: Grammars,
+                                                                  token_bytes, vocab_size,
+                                                                  stops):
+    state = grammars.state(grammars.submit(
+        schema_spec({"type": "string", "maxLength": 4})).result(timeout=30))
+    quote, a = token_bytes.index(b'"'), token_bytes.index(b"a")
+    for token in (quote, a, quote, min(stops)):
+        assert state.accept(token)
+    assert state.is_terminated
+    assert state.accepts_prefix([a, quote]) == 0
+    assert state.is_terminated
+    state.rollback(2)  # the stop token and the closing quote: the string is open again
+    assert state.accept(a) and not state.is_terminated

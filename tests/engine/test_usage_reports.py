@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from engine_testing import cancel, make_request, read_events, submit
 from test_worker import LONG, PROMPT, RECOVER_FAST, _left_by_dead_engine
 
@@ -58,3 +60,16 @@ def test_a_lost_request_reports_the_tokens_its_dead_engine_made(start_worker, re
     read_events(redis_client, request.request_id)
     (report,) = _reports(redis_client)
     assert report.error_code == "engine_lost" and report.usage["completion_tokens"] == 2
+
+
+def test_billing_is_told_of_the_usage_stream_every_heartbeat(start_worker, redis_client):
+    """An engine names its model's usage stream to billing (``atrium:usage-streams``) at
+    each heartbeat, so a Redis that lost the set learns it again within a second."""
+    start_worker()
+    stream = protocol.usage_stream("tiny").encode()
+    assert stream in redis_client.smembers(protocol.USAGE_STREAMS_KEY)
+    redis_client.delete(protocol.USAGE_STREAMS_KEY)
+    deadline = time.monotonic() + 5
+    while stream not in redis_client.smembers(protocol.USAGE_STREAMS_KEY):
+        assert time.monotonic() < deadline, "the set was not written again"
+        time.sleep(0.1)

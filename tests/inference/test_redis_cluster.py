@@ -169,6 +169,14 @@ def test_the_events_path_runs_on_a_three_shard_cluster(cluster, tiny_model_path,
             while len(await protocol.live_heartbeats_async(client, time.time())) < 2:
                 assert time.time() < deadline and not errors, errors
                 await asyncio.sleep(0.1)
+            # A request of the other model on this model's stream (naming its own model's
+            # notify stream, in another slot): refused, and the engine goes on writing.
+            stray = make_request([5, 6], model=models[1],
+                                 notify=protocol.notify_stream(models[1], "stray"))
+            await client.xadd(protocol.request_stream(models[0]), stray.encode())
+            while not await client.xlen(protocol.events_stream(models[0], stray.request_id)):
+                assert time.time() < deadline and not errors, errors
+                await asyncio.sleep(0.1)
             return await asyncio.gather(*(one(client, hub, m, cancel=c)
                                           for m in models for c in (False, True)))
         finally:
