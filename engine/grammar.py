@@ -88,7 +88,8 @@ class Utf8Guard:
         after = [i for i, token in enumerate(decoded_vocab) if token and 0xA0 <= token[0] <= 0xBF]
         self._refused = frozenset(always)
         self._refused_after_lead = frozenset(always + after)
-        self._always = _allowed_but(always, vocab_size)
+        # None: nothing to clear (most vocabularies hold no surrogate bytes in one token).
+        self._always = _allowed_but(always, vocab_size) if always else None
         self._after_lead = _allowed_but(always + after, vocab_size)
 
     def refuses(self, after_lead: bool, token_id: int) -> bool:
@@ -97,7 +98,9 @@ class Utf8Guard:
 
     def restrict(self, bitmask: torch.Tensor, row: int, after_lead: bool) -> None:
         """Clears the tokens ``refuses`` from ``bitmask[row]``, in place."""
-        bitmask[row] &= self._after_lead if after_lead else self._always
+        words = self._after_lead if after_lead else self._always
+        if words is not None:
+            bitmask[row] &= words
 
 
 def _holds_surrogate(token: bytes) -> bool:

@@ -74,14 +74,20 @@ def test_a_spent_cap_refuses_on_a_three_shard_cluster(cluster):
         spend.caps_set(client, {t: 1_000_000 for t in TENANTS}, currency="USD")
         spend.spend_set(client, {(t, month): 1_500_000 for t in TENANTS if t % 2})
 
+    refused = _refused_per_tenant(cluster, lambda client, tenant_id: quota.precheck(
+        client, principal=_principal(tenant_id), end_user="someone"))
+    assert refused == [bool(t % 2) for t in TENANTS]
+
+
+def _refused_per_tenant(cluster, call) -> list[bool]:
+    """Whether ``call(client, tenant_id)`` raised QuotaExceeded, for each tenant in turn."""
     async def scenario() -> list[bool]:
         client = cluster.async_client()
         refused = []
         try:
             for tenant_id in TENANTS:
                 try:
-                    await quota.precheck(client, principal=_principal(tenant_id),
-                                         end_user="someone")
+                    await call(client, tenant_id)
                     refused.append(False)
                 except QuotaExceeded:
                     refused.append(True)
@@ -89,7 +95,7 @@ def test_a_spent_cap_refuses_on_a_three_shard_cluster(cluster):
             await client.aclose()
         return refused
 
-    assert asyncio.run(scenario()) == [bool(t % 2) for t in TENANTS]
+    return asyncio.run(scenario())
 
 
 def _models_on_two_shards(cluster) -> list[str]:
@@ -279,21 +285,7 @@ def test_budgets_of_tenants_on_every_shard_are_published_and_enforced(cluster):
                                   for t in TENANTS})
         budgets.defs_set(client, {TENANTS[0]: {}})  # a tenant whose budgets were deleted
 
-    async def scenario() -> list[bool]:
-        client = cluster.async_client()
-        refused = []
-        try:
-            for tenant_id in TENANTS:
-                admit = quota.admit(client, principal=_principal(tenant_id),
-                                    request_id=f"b{tenant_id}", prompt_tokens=1,
-                                    max_tokens=0, lease_s=60, cost_micros=5000)
-                try:
-                    await admit
-                    refused.append(False)
-                except QuotaExceeded:
-                    refused.append(True)
-        finally:
-            await client.aclose()
-        return refused
-
-    assert asyncio.run(scenario()) == [False] + [True] * (len(TENANTS) - 1)
+    refused = _refused_per_tenant(cluster, lambda client, tenant_id: quota.admit(
+        client, principal=_principal(tenant_id), request_id=f"b{tenant_id}", prompt_tokens=1,
+        max_tokens=0, lease_s=60, cost_micros=5000))
+    assert refused == [False] + [True] * (len(TENANTS) - 1)
