@@ -21,6 +21,16 @@ from engine import protocol
 log = logging.getLogger(__name__)
 
 CELERY_QUEUES = ("celery",)  # the default queue; Atrium routes no task elsewhere
+LAG_COUNT_MAX = 10_000  # entries counted where Redis does not say a group's lag
+
+
+def _group_lag(client: redis.Redis, stream: str, group: dict) -> int:
+    """Entries the group has not read yet. Redis 7 says so; before it (the embedded server
+    of `atrium up` is 6.2), or when Redis cannot tell, they are counted, up to a bound."""
+    if group.get("lag") is not None:
+        return int(group["lag"])
+    after = _text(group["last-delivered-id"])
+    return len(client.xrange(stream, min=f"({after}", count=LAG_COUNT_MAX))
 
 
 def _entry_time(entry_id: bytes | str | None) -> float | None:
@@ -73,7 +83,7 @@ class FleetCollector:
             for group in groups:
                 name = group["name"].decode() if isinstance(group["name"], bytes) \
                     else group["name"]
-                lag.add_metric([stream, name], group.get("lag") or 0)
+                lag.add_metric([stream, name], _group_lag(client, stream, group))
                 pending.add_metric([stream, name], group.get("pending") or 0)
         yield lag
         yield pending
