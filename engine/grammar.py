@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
+from engine.compile_turns import CompileTurns
 from engine.json_schema_support import first_problem
 
 PARAM = "response_format"
@@ -260,7 +261,7 @@ class Grammars:
     """
 
     def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: Iterable[int], *,
-                 cache_size: int = 128, threads: int = 1) -> None:
+                 cache_size: int = 128, threads: int = 2) -> None:
         if cache_size < 1 or threads < 1:
             raise ValueError("cache_size and threads must be at least 1")
         self.vocab_size = vocab_size
@@ -268,18 +269,26 @@ class Grammars:
         info = _tokenizer_info(Path(model_dir), vocab_size, sorted(set(stop_token_ids)))
         self._guard = Utf8Guard(info.decoded_vocab, vocab_size)
         # NOTE: xgrammar's own cache is off: ours bounds memory by entries and dedups in flight.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
-        self._lock = threading.Lock()
+        # One thread per compile (xgrammar's own threads would not be niced, and one
+        # tenant's schema could take every core); compiles run side by side on our threads,
+        # in per-tenant turns, so one tenant's slow schemas never queue in front of
+        # another's (engine/compile_turns.py).
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._pool = CompileTurns(threads)
+        self._lock = threading.RLock()  # a cancel's callback takes it again
         self._futures: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
+        # Requests waiting on each compile not yet done (abandon drops one no one awaits).
+        self._waiters: dict[Future[xgr.CompiledGrammar], int] = {}
         self.hits = 0
         self.misses = 0
         self.compiles = 0
         self.compile_seconds_total = 0.0
         self.last_compile_seconds = 0.0
 
-    def submit(self, spec: dict[str, Any]) -> Future[xgr.CompiledGrammar]:
-        """A future of the compiled grammar, raising GrammarError if the spec is refused.
+    def submit(self, spec: dict[str, Any], *, tenant: str = ""
+               ) -> Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar, raising GrammarError if the spec is refused;
+        compiled in ``tenant``'s turn.
 
         Identical specs get the same future, whether it is done or still compiling.
         """
@@ -294,14 +303,30 @@ class Grammars:
             if future is not None:
                 self._futures.move_to_end(key)
                 self.hits += 1
+                if future in self._waiters:
+                    self._waiters[future] += 1
                 return future
             self.misses += 1
-            future = self._pool.submit(self._compile, spec)
+            future = self._pool.submit(tenant, self._compile, spec)
             self._futures[key] = future
+            self._waiters[future] = 1
             while len(self._futures) > self.cache_size:
                 self._futures.popitem(last=False)
         future.add_done_callback(lambda done: self._forget_failure(key, done))
         return future
+
+    def abandon(self, future: Future[xgr.CompiledGrammar]) -> None:
+        """A request waiting on ``future`` is gone (cancelled, its client away): a compile
+        no one waits for any more is dropped while it is still queued, so an abandoned
+        request costs the compile threads nothing."""
+        with self._lock:  # NOTE: held while cancelling: no submit may take it meanwhile
+            if future not in self._waiters:
+                return
+            self._waiters[future] -= 1
+            if self._waiters[future] > 0:
+                return
+            del self._waiters[future]
+            future.cancel()  # no effect once it runs: it then finishes and is kept
 
     def state(self, compiled: xgr.CompiledGrammar) -> GrammarState:
         """A fresh matcher at the start of ``compiled``, for one sequence."""
@@ -309,14 +334,16 @@ class Grammars:
 
     def close(self) -> None:
         """Stops the compile threads; compiles already running finish first."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
 
     def _forget_failure(self, key: str, future: Future[xgr.CompiledGrammar]) -> None:
-        """A refused spec is not kept: the LRU holds grammars, and the error is cheap to redo."""
-        if future.cancelled() or future.exception() is not None:
-            with self._lock:
-                if self._futures.get(key) is future:
-                    del self._futures[key]
+        """A refused spec is not kept: the LRU holds grammars, and the error is cheap to redo.
+        A dropped one neither: the next request for it compiles it."""
+        with self._lock:
+            self._waiters.pop(future, None)
+            if (future.cancelled() or future.exception() is not None) and \
+                    self._futures.get(key) is future:
+                del self._futures[key]
 
     def _compile(self, spec: dict[str, Any]) -> xgr.CompiledGrammar:
         schema = _schema_text(spec)

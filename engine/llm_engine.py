@@ -122,7 +122,7 @@ class LLMEngine:
             parallel.start_group(seq, params.n, extra)
         if request.sampling.grammar is not None:
             self._compiling[seq.request_id] = (seq, self.grammars().submit(
-                request.sampling.grammar))
+                request.sampling.grammar, tenant=request.tenant_id))
         else:
             self._enqueue(seq)
 
@@ -192,7 +192,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, reason: str) -> RequestOutput | None:
         if request_id in self._compiling:
-            seq, _ = self._compiling.pop(request_id)
+            seq, compiling = self._compiling.pop(request_id)
+            self.grammars().abandon(compiling)
             return RequestOutput(request_id, finished=True, finish_reason=reason,
                                  usage=usage_of(seq), choices=parallel.choices_of(seq, reason))
         loading = self.adapters.abort(request_id, reason) if self.adapters else None

@@ -94,9 +94,25 @@ def test_the_second_submit_of_a_schema_is_a_cache_hit(grammars: Grammars):
     assert grammars.last_compile_seconds > 0
 
 
+def test_a_compile_no_request_waits_for_is_dropped_while_it_queues(grammars: Grammars):
+    release = threading.Event()
+    grammars._pool.submit("t", lambda _: release.wait(), None)  # the tenant's one share
+    shared = grammars.submit(schema_spec(NESTED), tenant="t")
+    assert grammars.submit(schema_spec(NESTED), tenant="t") is shared  # two requests wait
+    alone = grammars.submit(schema_spec(OBJECT), tenant="t")
+    grammars.abandon(alone)
+    grammars.abandon(shared)  # one of its two requests went away: it still compiles
+    assert alone.cancelled() and not shared.cancelled()
+    release.set()
+    assert shared.result(timeout=30) is not None
+    again = grammars.submit(schema_spec(OBJECT), tenant="t")  # asked anew: compiled anew
+    assert again is not alone and again.result(timeout=30) is not None
+    assert grammars.compiles == 2
+
+
 def test_identical_specs_in_flight_share_one_compile(grammars: Grammars):
     release = threading.Event()
-    grammars._pool.submit(release.wait)  # holds the only compile thread
+    grammars._pool.submit("", lambda _: release.wait(), None)  # the tenant's one share
     first, second = grammars.submit(schema_spec(NESTED)), grammars.submit(schema_spec(NESTED))
     assert not first.done()
     release.set()
