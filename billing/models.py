@@ -421,6 +421,9 @@ class WebhookDelivery(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveIntegerField(default=0)
     next_attempt_at = models.DateTimeField(default=timezone.now)
+    # NOTE: set while an attempt may be running (its lease), cleared when it ends: the
+    # tenant's in-flight deliveries, which its concurrency cap counts.
+    claimed_until = models.DateTimeField(null=True, blank=True)
     last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     last_error = models.CharField(max_length=500, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
@@ -432,7 +435,8 @@ class WebhookDelivery(models.Model):
         constraints = [models.UniqueConstraint(fields=["endpoint", "event_id"],
                                                name="one_delivery_per_endpoint_and_event")]
         indexes = [models.Index(fields=["status", "next_attempt_at"]),
-                   models.Index(fields=["tenant", "-created_at"])]
+                   models.Index(fields=["tenant", "-created_at"]),
+                   models.Index(fields=["tenant", "claimed_until"])]
 
     def __str__(self) -> str:
         return f"{self.event_type} {self.event_id} → {self.endpoint_id}: {self.status}"

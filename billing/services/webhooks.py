@@ -7,11 +7,21 @@ v1,<base64 HMAC-SHA256 of "id.timestamp.body" under the secret>``. The secret is
 ``whsec_`` and base64 of 32 random bytes, shown once.
 
 A delivery is tried at once (a task queued on commit), then again with exponential
-backoff until the endpoint answers 2xx or `ATRIUM_WEBHOOK_MAX_ATTEMPTS` are spent; every
-attempt's status or error is kept for the console. Endpoints on loopback, private or
-link-local addresses are refused (at creation and at each delivery, after resolving the
-name) unless ``ATRIUM_WEBHOOK_ALLOW_PRIVATE`` is set: a tenant cannot aim Atrium at the
-operator's own network.
+backoff until the endpoint answers 2xx or `ATRIUM_WEBHOOK_MAX_ATTEMPTS` are spent. No
+tenant can stall the platform or probe its network through its endpoints:
+
+- each attempt is one `core.outbound.post`: a wall-clock deadline on the whole exchange,
+  the host resolved once and the connection made to the address checked (loopback,
+  private, link-local and every other non-public address refused, at creation and at each
+  attempt, unless ``ATRIUM_WEBHOOK_ALLOW_PRIVATE`` is set), a capped answer;
+- an attempt is counted when it is claimed, so one that hangs or whose worker dies still
+  counts, and its lease outlasts the deadline, so it is never claimed twice at once;
+- at most ``ATRIUM_WEBHOOK_TENANT_CONCURRENCY`` of a tenant's deliveries are attempted at
+  once, across workers, and a pass over the due ones takes at most that many of each
+  tenant's, so one tenant's backlog never holds another's events back;
+- the log a tenant reads says a coarse category (`timeout`, `refused`, `dns`, `tls`,
+  `unsafe_destination`, `http_status`, ...), never an exception's text; the detail goes
+  to the operator's log with the delivery's id.
 """
 
 from __future__ import annotations
@@ -19,11 +29,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
-import socket
 import time
 import uuid
 from datetime import datetime, timedelta
@@ -31,13 +39,15 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Case, F, Value, When, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from billing import queue
 from billing.models import WebhookDelivery, WebhookEndpoint
+from core import outbound
 from core.errors import InvalidRequest, NotFound
 from tenants.facade import Actor, audit_record
 
@@ -45,10 +55,11 @@ log = logging.getLogger(__name__)
 
 MAX_ENDPOINTS = 10
 DUE_BATCH = 50
-
-
-class UnsafeDestination(ValueError):
-    """The endpoint's host is (or resolves to) an address tenants may not reach."""
+# NOTE: a lease outlasts the deadline by this much (starting the attempt, recording it),
+# so a claimed delivery is never claimed again while its attempt can still be running.
+LEASE_SLACK_S = 30
+# The first key of the PostgreSQL advisory lock that serializes one tenant's claims.
+_CLAIM_LOCK = 0x57484B  # "WHK"
 
 
 def _check_url(url: str) -> str:
@@ -62,28 +73,13 @@ def _check_url(url: str) -> str:
     if len(url) > 2000:
         raise InvalidRequest("a webhook URL has at most 2000 characters", param="url",
                              code="invalid_value")
-    try:
-        destination_check(url)
-    except UnsafeDestination as exc:
-        raise InvalidRequest(f"webhook URL refused: {exc}", param="url",
-                             code="invalid_value") from None
+    if not settings.ATRIUM_WEBHOOK_ALLOW_PRIVATE:
+        try:
+            outbound.destination_check(url=url, allow_private=False)
+        except outbound.OutboundError as exc:
+            raise InvalidRequest(f"webhook URL refused: {exc}", param="url",
+                                 code="invalid_value") from None
     return url
-
-
-def destination_check(url: str) -> None:
-    """Raises UnsafeDestination when the URL's host resolves to an address tenants may not
-    reach (loopback, private, link-local, multicast, reserved), or does not resolve."""
-    if settings.ATRIUM_WEBHOOK_ALLOW_PRIVATE:
-        return
-    host = urlsplit(url).hostname or ""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError as exc:
-        raise UnsafeDestination(f"{host} does not resolve") from exc
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not address.is_global:
-            raise UnsafeDestination(f"{host} is a non-public address ({address})")
 
 
 def _secret() -> str:
@@ -152,52 +148,125 @@ def _backoff(attempts: int) -> timedelta:
     return timedelta(seconds=settings.ATRIUM_WEBHOOK_RETRY_BASE_S * 2 ** (attempts - 1))
 
 
-def _claim(delivery_id: int, now: datetime) -> bool:
-    """Takes the delivery for one attempt (another worker skips it meanwhile)."""
-    lease = now + timedelta(seconds=settings.ATRIUM_WEBHOOK_TIMEOUT_S * 3)
-    return WebhookDelivery.objects.filter(
+def _lock_tenant_claims(tenant_id: int) -> None:
+    """Serializes one tenant's claims until the transaction ends, so its in-flight count is
+    read and raised by one claimer at a time. SQLite needs none: its transactions here are
+    IMMEDIATE, holding the database's one write lock from the start."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)",
+                           [_CLAIM_LOCK, tenant_id & 0x7FFF_FFFF])
+
+
+def _in_flight(tenant_id: int, now: datetime) -> int:
+    return WebhookDelivery.objects.filter(tenant_id=tenant_id, claimed_until__gt=now).count()
+
+
+def _claim(*, delivery_id: int, now: datetime) -> datetime | None:
+    """Takes the delivery for one attempt when it is due, has attempts left and its tenant
+    has fewer than its cap in flight; the UPDATE that takes the lease counts the attempt,
+    so one that never finishes still counts. Returns the lease's end, or None when it is
+    not to be attempted now (it then stays as it was: pending, due, not counted)."""
+    due = WebhookDelivery.objects.filter(
         pk=delivery_id, status=WebhookDelivery.Status.PENDING, next_attempt_at__lte=now,
-    ).update(next_attempt_at=lease) == 1
+        attempts__lt=settings.ATRIUM_WEBHOOK_MAX_ATTEMPTS)
+    tenant_id = due.values_list("tenant_id", flat=True).first()
+    if tenant_id is None:
+        return None
+    lease = now + timedelta(seconds=settings.ATRIUM_WEBHOOK_TIMEOUT_S + LEASE_SLACK_S)
+    cap = settings.ATRIUM_WEBHOOK_TENANT_CONCURRENCY
+    # NOTE: read first, without the lock: a flooding tenant's deliveries, refused here by
+    # the hundred, never queue for the database's write lock (SQLite has one).
+    if _in_flight(tenant_id, now) >= cap:
+        return None
+    with transaction.atomic():
+        _lock_tenant_claims(tenant_id)
+        if _in_flight(tenant_id, now) >= cap:
+            return None
+        taken = due.update(attempts=F("attempts") + 1, claimed_until=lease,
+                           next_attempt_at=lease)
+    return lease if taken else None
+
+
+def _said(exc: outbound.OutboundError | None, code: int | None) -> str:
+    if exc is not None:
+        return str(exc)
+    if code is not None and not 200 <= code < 300:
+        return f"http_status: answered {code}"
+    return ""
 
 
 def webhook_deliver(*, delivery_id: int) -> str:
-    """One attempt at one delivery, when it is due; returns its status after."""
-    now = timezone.now()
-    if not _claim(delivery_id, now):
+    """One attempt at one delivery, when it is due and its tenant has room; returns its
+    status after (``skipped`` when not attempted, ``lapsed`` when the attempt outlived its
+    lease and its result was dropped)."""
+    lease = _claim(delivery_id=delivery_id, now=timezone.now())
+    if lease is None:
         return "skipped"
     delivery = WebhookDelivery.objects.select_related("endpoint").get(pk=delivery_id)
     body = json.dumps(delivery.payload, separators=(",", ":")).encode()
     headers = {"content-type": "application/json", "user-agent": "Atrium-Webhooks/1",
                **signature_headers(secret=delivery.endpoint.secret,
                                    event_id=delivery.event_id, body=body)}
-    code, error = None, ""
+    code, failure = None, None
     try:
-        destination_check(delivery.endpoint.url)
-        with httpx.Client(timeout=settings.ATRIUM_WEBHOOK_TIMEOUT_S,
-                          follow_redirects=False) as client:
-            code = client.post(delivery.endpoint.url, content=body, headers=headers).status_code
-        if not 200 <= code < 300:
-            error = f"answered {code}"
-    except (httpx.HTTPError, UnsafeDestination) as exc:
-        error = f"{type(exc).__name__}: {exc}"[:500]
-    attempts = delivery.attempts + 1
-    update: dict[str, Any] = {"attempts": attempts, "last_status_code": code,
+        code = outbound.post(url=delivery.endpoint.url, body=body, headers=headers,
+                             deadline_s=settings.ATRIUM_WEBHOOK_TIMEOUT_S,
+                             allow_private=settings.ATRIUM_WEBHOOK_ALLOW_PRIVATE).status_code
+    except outbound.OutboundError as exc:
+        failure = exc
+        log.warning("webhook delivery %s attempt %s: %s (%s)", delivery_id,
+                    delivery.attempts, exc.category, exc.detail)
+    error = _said(failure, code)
+    update: dict[str, Any] = {"claimed_until": None, "last_status_code": code,
                               "last_error": error}
     if not error:
         update.update(status=WebhookDelivery.Status.DELIVERED, delivered_at=timezone.now())
-    elif attempts >= settings.ATRIUM_WEBHOOK_MAX_ATTEMPTS:
+    elif delivery.attempts >= settings.ATRIUM_WEBHOOK_MAX_ATTEMPTS:
         update.update(status=WebhookDelivery.Status.FAILED)
         log.warning("webhook delivery %s failed for good: %s", delivery_id, error)
     else:
-        update.update(next_attempt_at=timezone.now() + _backoff(attempts))
-    WebhookDelivery.objects.filter(pk=delivery_id).update(**update)
+        update.update(next_attempt_at=timezone.now() + _backoff(delivery.attempts))
+    if not WebhookDelivery.objects.filter(pk=delivery_id, claimed_until=lease).update(**update):
+        log.warning("webhook delivery %s: the attempt outlived its lease; dropped: %s",
+                    delivery_id, error or code)
+        return "lapsed"
     return update.get("status", WebhookDelivery.Status.PENDING)
 
 
+def _fail_spent(*, now: datetime) -> int:
+    """Fails for good the due deliveries whose attempts are all spent: their last claim
+    lapsed without a result (its worker died), which says no answer came in time."""
+    return WebhookDelivery.objects.filter(
+        status=WebhookDelivery.Status.PENDING, next_attempt_at__lte=now,
+        attempts__gte=settings.ATRIUM_WEBHOOK_MAX_ATTEMPTS,
+    ).update(status=WebhookDelivery.Status.FAILED, claimed_until=None, last_error=Case(
+        When(claimed_until__isnull=False,
+             then=Value(str(outbound.timed_out(settings.ATRIUM_WEBHOOK_TIMEOUT_S)))),
+        default=F("last_error")))
+
+
+def _due(*, now: datetime) -> list[int]:
+    """Up to DUE_BATCH due deliveries, at most the concurrency cap of each tenant's, in
+    rounds: every tenant's oldest, then every tenant's second, ..."""
+    per_tenant = Window(RowNumber(), partition_by=[F("tenant_id")],
+                        order_by=[F("next_attempt_at").asc(), F("pk").asc()])
+    return list(WebhookDelivery.objects.filter(
+        status=WebhookDelivery.Status.PENDING, next_attempt_at__lte=now,
+        attempts__lt=settings.ATRIUM_WEBHOOK_MAX_ATTEMPTS,
+    ).annotate(turn=per_tenant).filter(
+        turn__lte=settings.ATRIUM_WEBHOOK_TENANT_CONCURRENCY,
+    ).order_by("turn", "next_attempt_at", "pk").values_list("pk", flat=True)[:DUE_BATCH])
+
+
 def webhooks_deliver_due() -> int:
-    """Attempts every delivery that is due (retries, and first tries whose queued task was
-    lost); returns how many were attempted."""
-    due = list(WebhookDelivery.objects.filter(
-        status=WebhookDelivery.Status.PENDING, next_attempt_at__lte=timezone.now(),
-    ).order_by("next_attempt_at").values_list("pk", flat=True)[:DUE_BATCH])
-    return sum(webhook_deliver(delivery_id=pk) != "skipped" for pk in due)
+    """Queues an attempt at each delivery that is due (retries, first tries whose queued
+    task was lost, and attempts whose worker died), a fair share of each tenant's, for the
+    webhooks lane's workers to make side by side; returns how many were queued. A
+    delivery queued twice is attempted once: the second finds it claimed."""
+    now = timezone.now()
+    _fail_spent(now=now)
+    due = _due(now=now)
+    for pk in due:
+        queue.webhook_deliver_enqueue(delivery_id=pk)
+    return len(due)

@@ -293,6 +293,10 @@ DEFAULT_FROM_EMAIL = os.environ.get("ATRIUM_EMAIL_FROM", "atrium@localhost")
 ATRIUM_WEBHOOK_TIMEOUT_S = float(os.environ.get("ATRIUM_WEBHOOK_TIMEOUT_S", "10"))
 ATRIUM_WEBHOOK_MAX_ATTEMPTS = int(os.environ.get("ATRIUM_WEBHOOK_MAX_ATTEMPTS", "8"))
 ATRIUM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("ATRIUM_WEBHOOK_RETRY_BASE_S", "10"))
+ATRIUM_WEBHOOK_TENANT_CONCURRENCY = int(os.environ.get("ATRIUM_WEBHOOK_TENANT_CONCURRENCY",
+                                                       "2"))
+if ATRIUM_WEBHOOK_TENANT_CONCURRENCY < 1:
+    raise ImproperlyConfigured("ATRIUM_WEBHOOK_TENANT_CONCURRENCY must be at least 1")
 ATRIUM_WEBHOOK_ALLOW_PRIVATE = os.environ.get("ATRIUM_WEBHOOK_ALLOW_PRIVATE", "") not in (
     "", "0", "false")
 
