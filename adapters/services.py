@@ -25,6 +25,7 @@ from adapters import archive, queue
 from adapters.models import Adapter, AdapterStatus, AdapterUpload, Visibility
 from adapters.naming import NAME
 from adapters.storage import AdapterFiles
+from core import lanes
 from core.errors import ApiError, InvalidRequest
 from engine import protocol
 from engine.lora.store import CONFIG_FILE, WEIGHTS_FILE
@@ -240,13 +241,25 @@ def _set_status(adapter: Adapter, status: str, **fields) -> Adapter:
     return adapter
 
 
-def adapter_validate(*, adapter_id: int) -> Adapter:
-    """Checks an uploaded adapter and makes it ready, or failed with a reason. Idempotent."""
-    from core.served_models import served_models
+# How long a dead worker's validation keeps its tenant's turn in the adapters lane.
+VALIDATION_LEASE_S = 600
 
+
+def adapter_validate(*, adapter_id: int) -> Adapter:
+    """Checks an uploaded adapter and makes it ready, or failed with a reason. Idempotent.
+    Raises lanes.TenantBusy while the tenant's share of the adapters lane is taken."""
     adapter = Adapter.objects.select_related("upload").get(pk=adapter_id)
     if adapter.status in (AdapterStatus.READY, AdapterStatus.FAILED):
         return adapter
+    with lanes.tenant_slot("adapters", adapter.tenant_id,
+                           cap=settings.ATRIUM_ADAPTER_VALIDATIONS_PER_TENANT,
+                           lease_s=VALIDATION_LEASE_S):
+        return _validate(adapter)
+
+
+def _validate(adapter: Adapter) -> Adapter:
+    from core.served_models import served_models
+
     upload = adapter.upload
     if upload is None:
         return _set_status(adapter, AdapterStatus.FAILED,

@@ -5,6 +5,7 @@ import time
 from celery import shared_task
 
 from adapters import queue, services
+from core import lanes
 from core.metrics import ADAPTER_VALIDATION_SECONDS
 
 # Tries of a validation that fails on the platform's side (storage or database away),
@@ -21,6 +22,10 @@ def adapter_validate(self, adapter_id: int) -> str:
         status = services.adapter_validate(adapter_id=adapter_id).status
         ADAPTER_VALIDATION_SECONDS.labels(status).observe(time.monotonic() - started)
         return status
+    except lanes.TenantBusy as busy:
+        # The tenant's other upload is being checked: a turn waited for, no failed try.
+        adapter_validate.apply_async(args=[adapter_id], countdown=busy.retry_s)
+        return "waiting"
     except Exception as exc:
         if self.request.retries < VALIDATE_RETRIES:
             raise self.retry(exc=exc, countdown=10 * 2 ** self.request.retries) from exc

@@ -6,9 +6,18 @@ from django.utils import timezone
 from tenants.models import Tenant, TenantOwnedQuerySet
 
 
+class FileQuerySet(TenantOwnedQuerySet):
+    def live(self) -> FileQuerySet:
+        """The files not past their expiry (an expired file reads as unknown at once, before
+        the beat deletes it)."""
+        return self.filter(models.Q(expires_at__isnull=True)
+                           | models.Q(expires_at__gt=timezone.now()))
+
+
 class File(models.Model):
     """A file a tenant uploaded (``purpose`` batch), or one Atrium wrote for it (a batch's
-    output and errors: ``batch_output``). Its bytes live in the ``atrium-files`` storage."""
+    output and errors: ``batch_output``). Its bytes live in the ``atrium-files`` storage.
+    Past ``expires_at`` it reads as unknown, and the beat deletes it (files_expire)."""
 
     id = models.CharField(max_length=40, primary_key=True)  # file-<hex>
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
@@ -16,13 +25,19 @@ class File(models.Model):
     filename = models.CharField(max_length=255)
     bytes = models.BigIntegerField()
     lines = models.IntegerField(default=0)
+    # A batch input file's first line calling each endpoint ({url: line number}), recorded
+    # when it was checked, so a batch made of it knows its lines' endpoints without
+    # reading it. Null: uploaded before this was recorded (its batch checks at expansion).
+    endpoints = models.JSONField(null=True, blank=True)
     storage_name = models.CharField(max_length=300)
     created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
 
-    objects = TenantOwnedQuerySet.as_manager()
+    objects = FileQuerySet.as_manager()
 
     class Meta:
-        indexes = [models.Index(fields=["tenant", "-created_at"])]
+        indexes = [models.Index(fields=["tenant", "-created_at"]),
+                   models.Index(fields=["expires_at"])]
 
     def __str__(self) -> str:
         return self.id

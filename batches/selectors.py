@@ -9,7 +9,7 @@ from batches.models import Batch, File
 
 def file_list(*, tenant, purpose: str | None = None, after: str | None = None,
               order: str = "desc") -> QuerySet[File]:
-    files = File.objects.for_tenant(tenant)
+    files = File.objects.for_tenant(tenant).live()
     if purpose:
         files = files.filter(purpose=purpose)
     ascending = order == "asc"

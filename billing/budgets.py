@@ -211,9 +211,10 @@ def counters_raise(client: redis.Redis, figures: Mapping[str, tuple[int, int, in
     return raised
 
 
-def alerts_pending(client: redis.Redis, tenant_id: int) -> list[str]:
+def alerts_pending(client: redis.Redis, tenant_id: int, *, limit: int) -> list[str]:
+    """Up to ``limit`` of the tenant's crossed thresholds waiting for the worker."""
     return [v.decode() if isinstance(v, bytes) else v
-            for v in client.smembers(alerts_key(tenant_id))]
+            for v in client.srandmember(alerts_key(tenant_id), limit)]
 
 
 def alerts_done(client: redis.Redis, tenant_id: int, entries: list[str]) -> None:

@@ -18,6 +18,7 @@ BUDGETS_RECONCILE = "billing.tasks.budgets_reconcile"
 BUDGET_ALERTS = "billing.tasks.budget_alerts"
 WEBHOOK_DELIVER = "billing.tasks.webhook_deliver"
 WEBHOOKS_DUE = "billing.tasks.webhooks_due"
+BUDGET_ALERT_EMAIL = "billing.tasks.budget_alert_email"
 
 
 def export_build_enqueue(*, export_id: int) -> None:
@@ -29,3 +30,8 @@ def webhook_deliver_enqueue(*, delivery_id: int) -> None:
     """Queues the first attempt at one webhook delivery; call it on commit. A lost task
     only delays it: the beat's `webhooks_due` finds every due delivery."""
     current_app.send_task(WEBHOOK_DELIVER, args=[delivery_id])
+
+
+def budget_alert_email_enqueue(*, alert_id: int) -> None:
+    """Queues one alert's email (in the alerts lane); call it on commit."""
+    current_app.send_task(BUDGET_ALERT_EMAIL, args=[alert_id])

@@ -34,7 +34,7 @@ from billing.money import allocate_cents, from_micros, to_micro
 from billing.periods import day_start, period_after, period_of
 from core.errors import NotFound
 from core.redis import sync_client
-from tenants.facade import tenant_plans
+from tenants.facade import api_key_lineages, tenant_plans
 
 # --- prices --------------------------------------------------------------------------------
 
@@ -394,14 +394,25 @@ def budget_get(*, tenant, budget_id: int) -> Budget:
     return budget
 
 
+def budget_subjects(budgets_: Iterable[Budget]) -> dict[int, str]:
+    """Each budget's subject in Redis, by budget id: a key budget counts under its key's
+    lineage (the key it was rotated from, back to the first), so it follows the key
+    through rotations and a rotation resets nothing."""
+    rows = list(budgets_)
+    lineages = api_key_lineages(b.api_key_id for b in rows if b.api_key_id)
+    return {b.pk: budgets.subject_of(b.scope, api_key_id=lineages.get(b.api_key_id),
+                                     end_user=b.end_user) for b in rows}
+
+
 def budget_views(budgets_: Iterable[Budget], *, now: datetime | None = None
                  ) -> list[BudgetView]:
     """Each budget with its open window's counters, read from Redis in one round trip."""
     rows = list(budgets_)
+    subjects = budget_subjects(rows)
     keyed = []
     for b in rows:
         label, _, end = budgets.window_bounds(b.window, now)
-        subject = budgets.subject_of(b.scope, api_key_id=b.api_key_id, end_user=b.end_user)
+        subject = subjects[b.pk]
         key = None if subject == budgets.EACH_USER else budgets.counter_key(
             b.tenant_id, f"{budgets.SCOPES[b.scope]}:{subject}", label)
         keyed.append((b, label, end, key))

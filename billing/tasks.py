@@ -8,6 +8,7 @@ from celery import shared_task
 
 from billing import queue, services
 from billing.ingest import drain
+from core import lanes
 from core.metrics import EXPORT_SECONDS
 from core.redis import sync_client
 
@@ -30,12 +31,16 @@ def invoices_close() -> int:
     return services.invoices_close()
 
 
-@shared_task(name=queue.EXPORT_BUILD, acks_late=True)
-def export_build(export_id: int) -> int:
+@shared_task(bind=True, name=queue.EXPORT_BUILD, acks_late=True, max_retries=None)
+def export_build(self, export_id: int) -> int:
     """Builds one export's file. Redelivered after a worker died mid-build, it builds it
-    again; after success or failure it does nothing (a failed export is asked for anew)."""
+    again; after success or failure it does nothing (a failed export is asked for anew).
+    While the tenant's share of the exports lane is taken, it waits its turn."""
     started = time.monotonic()
-    export = services.export_build(export_id=export_id)
+    try:
+        export = services.export_build(export_id=export_id)
+    except lanes.TenantBusy as busy:
+        raise self.retry(countdown=busy.retry_s) from None
     EXPORT_SECONDS.labels(export.format, export.status).observe(time.monotonic() - started)
     return export.rows
 
@@ -55,6 +60,20 @@ def budgets_reconcile() -> int:
 def budget_alerts() -> int:
     """Records, emails and sends to webhooks the budget thresholds crossed."""
     return services.budget_alerts_collect()
+
+
+@shared_task(bind=True, name=queue.BUDGET_ALERT_EMAIL, acks_late=True, max_retries=8)
+def budget_alert_email(self, alert_id: int) -> int:
+    """Emails one alert; waits while the tenant's previous email is being sent, and tries a
+    server that failed again later (10 s, doubling)."""
+    try:
+        return services.budget_alert_email(alert_id=alert_id)
+    except lanes.TenantBusy as busy:
+        # A turn waited for is no failed try: queued again, its tries untouched.
+        budget_alert_email.apply_async(args=[alert_id], countdown=busy.retry_s)
+        return 0
+    except OSError as exc:
+        raise self.retry(exc=exc, countdown=10 * 2 ** self.request.retries) from exc
 
 
 @shared_task(name=queue.WEBHOOK_DELIVER, acks_late=True)

@@ -33,6 +33,7 @@ from billing import spend as billing_spend  # Redis keys and values only; no Dja
 from billing.money import from_micros, to_cents
 from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
 from core.metrics import ADMISSION_REJECTIONS
+from inference.errors import TooLargeForRateLimit
 from tenants.principals import Principal  # the facade's dataclass; importable without Django
 
 _HERE = Path(__file__).parent
@@ -178,9 +179,16 @@ def money(amount_micros: int) -> str:
     return f"{whole}.{fraction.ljust(2, '0')}"
 
 
-def budget_headers(windows: list[BudgetWindow]) -> dict[str, str]:
-    """The binding budget (least left) in ``x-budget-*`` headers (docs/billing.md)."""
-    if not windows:
+def budgets_visible(principal: Principal) -> bool:
+    """Whether the caller may read its tenant's budgets (a key with the billing scope, as
+    the budgets API asks): only then do its answers say where budgets stand."""
+    return principal.has_scope("billing")
+
+
+def budget_headers(windows: list[BudgetWindow], principal: Principal) -> dict[str, str]:
+    """The binding budget (least left) in ``x-budget-*`` headers (docs/billing.md), for a
+    caller that may read budgets."""
+    if not windows or not budgets_visible(principal):
         return {}
     binding = min(windows, key=BudgetWindow.share_left)
     reset = datetime.fromtimestamp(binding.resets_ms / 1000, UTC)
@@ -212,13 +220,14 @@ class Admission:
     settled: bool = field(default=False)
 
     def headers(self) -> dict[str, str]:
-        return {**self.state.headers(), **budget_headers(self.budget_windows)}
+        return {**self.state.headers(),
+                **budget_headers(self.budget_windows, self.principal)}
 
 
 def _level_keys(principal: Principal, month: str) -> tuple[list[str], list[str]]:
     names = ("rpm", "tpm", "inflight", f"tokens:{month}")
     tenant = [quota_key(principal.tenant_id, n) for n in names]
-    key = [quota_key(principal.tenant_id, n, api_key_id=principal.api_key_id) for n in names]
+    key = [quota_key(principal.tenant_id, n, api_key_id=principal.key_lineage) for n in names]
     return tenant, key
 
 
@@ -296,7 +305,7 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
     if not spend_checked:
         await spend_cap_check(client, principal)
     month, _ = month_window()
-    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.key_lineage,
                           end_user=end_user)
     keys, args = _script_args(principal, request_id=request_id, cost=cost,
                               cost_micros=cost_micros, lease_ms=int(lease_s * 1000),
@@ -322,7 +331,7 @@ async def precheck(client: aioredis.Redis, *, principal: Principal,
     Takes nothing; returns the caller's rate-limit state, for the headers of an answer
     refused before admission."""
     await spend_cap_check(client, principal)
-    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.key_lineage,
                           end_user=end_user)
     # One token and one micro-unit: the least any request costs.
     keys, args = _script_args(principal, request_id="", cost=1, cost_micros=1, lease_ms=0,
@@ -345,6 +354,8 @@ def _budget_refusal(principal: Principal, *, reason: int, slot: int, retry_ms: i
              "key": f"API key {principal.api_key_prefix}…",
              "user": f"end user '{end_user}'"}[scope]
     held = next((w for w in windows if w.slot == slot), None)
+    if not budgets_visible(principal):
+        held = None  # the figures are for those who may read budgets
     period = "daily" if window == "day" else "monthly"
     if reason == REASON_BUDGET_SPEND and held is not None:
         what = (f"{period} spend budget of {owner} ({money(held.spend_limit_micros or 0)}; "
@@ -355,8 +366,9 @@ def _budget_refusal(principal: Principal, *, reason: int, slot: int, retry_ms: i
                 f"{held.tokens_used} used or reserved, and this request could use more "
                 "than what is left)")
     else:
-        what = f"{period} budget of {owner}"
-    headers.update(budget_headers(windows))
+        kind = "spend" if reason == REASON_BUDGET_SPEND else "token"
+        what = f"{period} {kind} budget of {owner}"
+    headers.update(budget_headers(windows, principal))
     headers["x-should-retry"] = "false"
     headers["retry-after"] = str(max(1, math.ceil(retry_ms / 1000)))
     return QuotaExceeded(f"You reached the {what}. It resets in {format_duration(retry_ms)}; "
@@ -379,10 +391,10 @@ def _refusal(principal: Principal, *, reason: int, level: int, retry_ms: int, li
     if reason == REASON_TOO_LARGE:
         # Waiting cannot help: tell clients not to retry.
         headers["x-should-retry"] = "false"
-        return RateLimited(f"Request too large for tokens per minute (TPM) of {owner}: "
-                           f"limit {limit}, requested {cost} (prompt + max_tokens). Use a "
-                           "shorter prompt or a smaller max_tokens.",
-                           type="tokens", headers=headers)
+        return TooLargeForRateLimit(
+            f"Request too large for tokens per minute (TPM) of {owner}: limit {limit}, "
+            f"requested {cost} (prompt + max_tokens), so waiting cannot admit it. Use a "
+            "shorter prompt or a smaller max_tokens.", type="tokens", headers=headers)
     retry_s = retry_ms / 1000
     headers["retry-after"] = str(max(1, math.ceil(retry_s)))
     headers["retry-after-ms"] = str(max(1, retry_ms))

@@ -3,10 +3,15 @@ inference scope; another tenant's ids read as unknown (docs/batches.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.core.files.uploadhandler import TemporaryFileUploadHandler
+from django.db import close_old_connections
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -22,18 +27,65 @@ from tenants.facade import Principal, Tenant, tenant_of
 # (request, the caller's principal, its tenant, the URL's arguments) -> the answer
 Handler = Callable[..., HttpResponse]
 
+# NOTE: the handlers run on threads of their own: never the process's one thread-sensitive
+# thread (asgi.DjangoHandler: every inference request's request_started receivers and
+# key-cache misses wait on it), nor the loop's default executor (where the inference path
+# tokenizes). Uploads, which read a whole file, have their own two, so a long one delays
+# neither inference nor the other Files and Batch calls.
+_CALLS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="atrium-files-api")
+_UPLOADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="atrium-files-upload")
+
+
+class TenantTurns:
+    """One upload per tenant at a time (in this process), from its body's first byte to its
+    answer: a tenant's tenth upload waits behind its ninth, on the loop, its body not read
+    (the client's sending is held back), while another tenant's does not wait behind
+    either. platform/atrium/asgi.py takes the turn before the body is read."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant_id: int) -> AsyncIterator[None]:
+        lock, users = self._locks.get(tenant_id) or (asyncio.Lock(), 0)
+        self._locks[tenant_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[tenant_id]
+            if users == 1:
+                del self._locks[tenant_id]
+            else:
+                self._locks[tenant_id] = (lock, users - 1)
+
+
+upload_turns = TenantTurns()
+
+
+def upload(handler: Handler) -> Handler:
+    """Marks a handler that reads a whole upload: it runs on the upload threads."""
+    handler.reads_upload = True  # type: ignore[attr-defined]
+    return handler
+
 
 def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
     """One URL's view from a handler per method. A handler is synchronous: it runs off the
-    event loop in one hop, with the caller's tenant looked up in the same hop. Errors are
-    OpenAI-shaped; no CSRF (the API authenticates by header)."""
+    event loop in one hop, on the Files and Batch APIs' own threads, with the caller's
+    tenant looked up in the same hop. Errors are OpenAI-shaped; no CSRF (the API
+    authenticates by header)."""
 
     def run(handler: Handler, request: HttpRequest, principal: Principal,
             kwargs: dict[str, Any]) -> HttpResponse:
+        # NOTE: this thread's database connection is its own, closed after each call (as
+        # Django's request signals do for the thread they run on).
+        close_old_connections()
         try:
             return handler(request, principal, tenant_of(principal), **kwargs)
         except ApiError as exc:
             return exc.response()
+        finally:
+            close_old_connections()
 
     @csrf_exempt
     async def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
@@ -46,20 +98,22 @@ def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
             principal = await authenticate(request.headers.get("Authorization"))
         except ApiError as exc:
             return exc.response()
-        return await sync_to_async(run)(handler, request, principal, kwargs)
+        executor = _UPLOADS if getattr(handler, "reads_upload", False) else _CALLS
+        return await sync_to_async(run, thread_sensitive=False, executor=executor)(
+            handler, request, principal, kwargs)
 
     return view
+
+
+def _ts(moment) -> int | None:
+    return None if moment is None else int(moment.timestamp())
 
 
 def file_object(f: File) -> dict[str, Any]:
     return {"id": f.id, "object": "file", "bytes": f.bytes,
             "created_at": int(f.created_at.timestamp()), "filename": f.filename,
             "purpose": f.purpose, "status": "processed", "status_details": None,
-            "expires_at": None}
-
-
-def _ts(moment) -> int | None:
-    return None if moment is None else int(moment.timestamp())
+            "expires_at": _ts(f.expires_at)}
 
 
 def batch_object(b: Batch) -> dict[str, Any]:
@@ -97,9 +151,43 @@ def _page(rows: QuerySet, request: HttpRequest, to_object: Callable[[Any], dict[
 
 # --- files ---------------------------------------------------------------------------------
 
+EXPIRES_AFTER = ("expires_after[anchor]", "expires_after[seconds]")
+
+
+def _expires_after(form: Any) -> int | None:
+    """``expires_after`` as OpenAI's clients send it in a multipart form
+    (``expires_after[anchor]=created_at``, ``expires_after[seconds]=N``): the seconds, or
+    None when it is not given."""
+    given = {name: form.get(name) for name in form if name.startswith("expires_after")}
+    if not given:
+        return None
+    unknown = sorted(set(given) - set(EXPIRES_AFTER))
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}; "
+                             "expires_after takes anchor and seconds", param=unknown[0],
+                             code="unknown_parameter")
+    for name in EXPIRES_AFTER:
+        if not given.get(name):
+            raise InvalidRequest(f"'{name}' is required with expires_after", param=name,
+                                 code="missing_required_parameter")
+    if given["expires_after[anchor]"] != "created_at":
+        raise InvalidRequest("expires_after[anchor] must be created_at",
+                             param="expires_after[anchor]", code="invalid_value")
+    seconds = given["expires_after[seconds]"]
+    if not seconds.isdigit():  # its range is the service's to check
+        low, high = batch_services.EXPIRES_AFTER_S
+        raise InvalidRequest(f"expires_after[seconds] must be a whole number from {low} to "
+                             f"{high}", param="expires_after[seconds]", code="invalid_value")
+    return int(seconds)
+
+
+@upload
 def _file_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
-    upload = request.FILES.get("file")
-    if upload is None:
+    # NOTE: parsed into a temporary file whatever its size (Django's default would keep
+    # one of up to FILE_UPLOAD_MAX_MEMORY_SIZE in memory), then read from there in chunks.
+    request.upload_handlers = [TemporaryFileUploadHandler(request)]
+    upload_file = request.FILES.get("file")
+    if upload_file is None:
         raise InvalidRequest("'file' is required: a multipart upload of the file",
                              param="file", code="missing_required_parameter")
     purpose = request.POST.get("purpose")
@@ -107,7 +195,8 @@ def _file_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> 
         raise InvalidRequest("'purpose' is required", param="purpose",
                              code="missing_required_parameter")
     return JsonResponse(file_object(batch_services.file_create(
-        tenant=tenant, filename=upload.name or "", purpose=purpose, data=upload.read())))
+        tenant=tenant, filename=upload_file.name or "", purpose=purpose, data=upload_file,
+        expires_after_s=_expires_after(request.POST))))
 
 
 def _file_list(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
@@ -140,11 +229,12 @@ def _file_content(request: HttpRequest, principal: Principal, tenant: Tenant,
 
 async def _chunks(handle: Any) -> AsyncIterator[bytes]:
     """A file's bytes, read off the event loop."""
+    read = sync_to_async(handle.read, thread_sensitive=False, executor=_CALLS)
     try:
-        while chunk := await sync_to_async(handle.read, thread_sensitive=False)(1 << 16):
+        while chunk := await read(1 << 16):
             yield chunk
     finally:
-        await sync_to_async(handle.close, thread_sensitive=False)()
+        await sync_to_async(handle.close, thread_sensitive=False, executor=_CALLS)()
 
 
 files = methods(post=_file_create, get=_file_list)

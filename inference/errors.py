@@ -16,6 +16,7 @@ __all__ = [
     "ApiError", "AuthenticationFailed", "InvalidRequest", "PermissionDenied", "QuotaExceeded",
     "RateLimited", "ServiceUnavailable", "ModelNotFound", "ContextLengthExceeded",
     "BodyTooLarge", "NoEngineAvailable", "EngineFailed", "DeadlineExceeded", "AdapterNotReady",
+    "TooLargeForRateLimit",
 ]
 
 
@@ -29,6 +30,12 @@ class AdapterNotReady(ApiError):
 
     status = 409
     code = "adapter_not_ready"
+
+
+class TooLargeForRateLimit(RateLimited):
+    """A request larger than a per-minute token limit admits at all: a 429 as OpenAI
+    answers it, but waiting cannot cure it (``x-should-retry: false``, no Retry-After), so
+    a batch line fails at once instead of waiting for it."""
 
 
 class ContextLengthExceeded(ApiError):

@@ -51,6 +51,17 @@ def _plain_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_plain_text)]
+
+
+def _identifier(value: str) -> str:
+    """An id that reaches Redis keys, ledger rows, alert emails and headers: printable."""
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in _plain_text(value)):
+        raise PydanticCustomError("invalid_value", "must not contain control characters")
+    return value
+
+
+# The tenant's end user: budgets count by it, the ledger and alerts name it.
+EndUser = Annotated[str, Field(max_length=256), AfterValidator(_identifier)]
 _ABSENT = object()
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -215,7 +226,7 @@ class CommonBody(Strict):
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: Annotated[Text, Field(max_length=256)] | None = None
+    user: EndUser | None = None
     store: bool | None = None
     metadata: Annotated[Any, AfterValidator(_metadata)] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -356,6 +367,21 @@ _ALL_FIELDS = (COMPLETION_FIELDS | CHAT_FIELDS | _fields(ChatMessage) | _fields(
 
 def invalid(error: ValidationError) -> InvalidRequest:
     return invalid_request(error, _ALL_FIELDS)
+
+
+class _EndUserOnly(Strict):
+    user: EndUser | None = None
+
+
+def end_user(body: Any) -> str | None:
+    """The body's ``user``, checked as full validation checks it, for the steps that run
+    before it (the precheck's budgets): a 400 naming ``user`` rather than a bad value in
+    a Redis script's arguments."""
+    try:
+        return _EndUserOnly(user=body.get("user") if isinstance(body, dict) else None).user \
+            or None
+    except ValidationError as exc:
+        raise invalid_request(exc, frozenset({"user"})) from None
 
 
 def _validate(model: type[CommonBody], body: Any) -> CommonBody:

@@ -284,18 +284,11 @@ def _check_token_controls(params: p.GenerationParams, model: ServedModel) -> Non
                              param="min_tokens", code="invalid_value")
 
 
-def end_user_of(body: Any) -> str | None:
-    """The body's ``user``, read before the body is validated (the precheck's budgets);
-    admission uses the validated one."""
-    user = body.get("user") if isinstance(body, dict) else None
-    return user if isinstance(user, str) and user else None
-
-
 async def precheck(principal: Principal, body: Any = None) -> quota.RateLimitState:
     """429 now for a caller at a limit no request could pass, before any parsing; else the
     caller's rate-limit state."""
     return await quota.precheck(async_client(), principal=principal,
-                                end_user=end_user_of(body))
+                                end_user=p.end_user(body))
 
 
 async def admit(prepared: Prepared) -> quota.Admission:

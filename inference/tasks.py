@@ -11,6 +11,7 @@ from billing.selectors import tokens_used_between
 from core.redis import sync_client
 from engine import protocol
 from inference import admission as quota
+from tenants.facade import api_key_lineages
 
 RECONCILE_BATCH = 500  # counters per script call
 # Raises a counter to the ledger's figure, never lowers it: above the ledger it holds the
@@ -53,9 +54,15 @@ def quota_reconcile() -> int:
     for tenant_id, tokens in by_tenant.items():
         by_tenant_keys.setdefault(tenant_id, []).append((quota.quota_key(tenant_id, name),
                                                          tokens))
+    # A key's counter is its lineage's (tenants.Principal.key_lineage): rotations add up.
+    lineages = api_key_lineages(key_id for _, key_id in by_key)
+    by_lineage: dict[tuple[int, int], int] = {}
     for (tenant_id, key_id), tokens in by_key.items():
+        lineage = (tenant_id, lineages.get(key_id, key_id))
+        by_lineage[lineage] = by_lineage.get(lineage, 0) + tokens
+    for (tenant_id, lineage), tokens in by_lineage.items():
         by_tenant_keys.setdefault(tenant_id, []).append(
-            (quota.quota_key(tenant_id, name, api_key_id=key_id), tokens))
+            (quota.quota_key(tenant_id, name, api_key_id=lineage), tokens))
     raised = 0
     for targets in by_tenant_keys.values():
         for i in range(0, len(targets), RECONCILE_BATCH):

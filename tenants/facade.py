@@ -7,12 +7,15 @@ changes to a tenant's settings through `audit_record`. Billing checks the tenant
 its usage reports name (`tenant_ids_existing`), labels ledger rows with key
 prefixes (`api_key_prefixes`) and its metrics with slugs (`tenant_slugs`), and finds
 each tenant's plan (`tenant_plans`); its budgets check a key is the tenant's
-(`api_key_belongs`) and email alerts to those who pay (`tenant_payer_emails`).
+(`api_key_belongs`), count a key with its rotations (`api_key_lineages`,
+`api_key_lineage_members`) and email alerts to those who pay (`tenant_payer_emails`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from django.db.models import Q
 
 from tenants.access import Actor
 from tenants.authentication import aauthenticate, authenticate, is_bearer
@@ -23,8 +26,8 @@ from tenants.services import audit_record
 
 __all__ = [
     "Actor", "Limits", "Principal", "Tenant", "aauthenticate", "api_key_belongs",
-    "api_key_prefixes", "audit_record", "authenticate", "is_bearer", "principal_by_key_id",
-    "principal_from_api_key",
+    "api_key_lineage_members", "api_key_lineages", "api_key_prefixes", "audit_record",
+    "authenticate", "is_bearer", "principal_by_key_id", "principal_from_api_key",
     "tenant_ids_existing", "tenant_of", "tenant_payer_emails", "tenant_plans", "tenant_slugs",
 ]
 
@@ -54,6 +57,19 @@ def api_key_prefixes(ids: Iterable[int]) -> dict[int, str]:
 def api_key_belongs(*, tenant_id: int, api_key_id: int) -> bool:
     """Whether the key is one of the tenant's (revoked or not)."""
     return ApiKey.objects.filter(tenant_id=tenant_id, pk=api_key_id).exists()
+
+
+def api_key_lineages(ids: Iterable[int]) -> dict[int, int]:
+    """Each key's lineage (the first key of its rotations; itself if never rotated in):
+    what its budgets and key-level counters are kept under."""
+    return {pk: lineage or pk for pk, lineage in ApiKey.objects.filter(
+        pk__in=set(ids)).values_list("pk", "lineage_id")}
+
+
+def api_key_lineage_members(lineage: int) -> list[int]:
+    """Every key of one lineage: the first key and each of its replacements."""
+    return list(ApiKey.objects.filter(Q(pk=lineage) | Q(lineage_id=lineage))
+                .values_list("pk", flat=True))
 
 
 def tenant_payer_emails(tenant_id: int) -> list[str]:

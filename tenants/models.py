@@ -49,6 +49,11 @@ class Plan(models.Model):
     max_output_tokens = models.PositiveIntegerField(null=True, blank=True)
     # Null: no monthly cap. Prompt + completion tokens per UTC calendar month.
     monthly_token_cap = models.PositiveBigIntegerField(null=True, blank=True)
+    # The Files and Batch APIs (docs/batches.md). Null: the server's default
+    # (ATRIUM_TENANT_MAX_FILES, ATRIUM_TENANT_MAX_FILE_BYTES, ATRIUM_TENANT_MAX_ACTIVE_BATCHES).
+    max_files = models.PositiveIntegerField(null=True, blank=True)
+    max_file_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    max_active_batches = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
@@ -120,11 +125,19 @@ class ApiKey(models.Model):
     # Set when the key was rotated; the old key then works until its expires_at.
     replaced_by = models.OneToOneField("self", on_delete=models.SET_NULL, null=True,
                                        blank=True, related_name="replaces")
+    # The first key of the rotations this key comes from (null: itself, never rotated
+    # in): its budgets and key-level counters belong to that key and every replacement.
+    lineage = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True,
+                                related_name="+")
 
     objects = TenantOwnedQuerySet.as_manager()
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.name})"
+
+    @property
+    def lineage_root_id(self) -> int:
+        return self.lineage_id or self.pk
 
 
 class QuotaOverride(models.Model):
@@ -159,6 +172,10 @@ QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requ
                 "max_prompt_tokens", "max_output_tokens", "monthly_token_cap")
 # What the columns hold (PostgreSQL integer; bigint for the month's tokens).
 QUOTA_MAX = {**dict.fromkeys(QUOTA_FIELDS, 2**31 - 1), "monthly_token_cap": 2**63 - 1}
+# A plan's limits on what a tenant keeps (the Files and Batch APIs); null: the server's.
+STORAGE_FIELDS = ("max_files", "max_file_bytes", "max_active_batches")
+STORAGE_MAX = {"max_files": 2**31 - 1, "max_file_bytes": 2**63 - 1,
+               "max_active_batches": 2**31 - 1}
 
 
 class AuditEvent(models.Model):

@@ -43,6 +43,14 @@ class Principal:
     priority: int = 5  # the plan's priority class; lower runs first
     tenant_limits: Limits = field(default_factory=Limits)
     key_limits: Limits = field(default_factory=Limits)
+    # The first key of the rotations this key comes from (0: itself); see key_lineage.
+    lineage_key_id: int = 0
+
+    @property
+    def key_lineage(self) -> int:
+        """The key whose budgets and key-level counters this key's requests count against:
+        the one it was rotated from (and so on back), so a rotation resets neither."""
+        return self.lineage_key_id or self.api_key_id
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes

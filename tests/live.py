@@ -41,10 +41,21 @@ def served_model(settings, tiny_model_path: Path) -> Iterator[str]:
     served_models.cache_clear()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def database_url() -> str:
+    """The test database as a DATABASE_URL, for the processes a test starts: PostgreSQL, or
+    the SQLite file (committed to: the test uses transactional_db)."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if connection.vendor == "postgresql":
+        return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+    return f"sqlite:///{db['NAME']}"
 
 
 class _ThreadedServer(uvicorn.Server):
@@ -60,7 +71,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     from core import redis as core_redis
     from inference import relay, requestlog
 
-    port = _free_port()
+    port = free_port()
     server = _ThreadedServer(uvicorn.Config(application, host="127.0.0.1", port=port,
                                             log_level="warning", **server_options()))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -163,3 +174,17 @@ def adapter_store(settings, tmp_path) -> Iterator[Path]:
     storages.backends = settings.STORAGES
     yield root
     storages._storages.pop("adapters", None)
+
+
+@pytest.fixture
+def celery_worker(transactional_db, redis_client):
+    """A Celery worker in this process serving every lane's queues (atrium/lanes.py)."""
+    from celery.contrib.testing.worker import start_worker
+
+    from atrium.celery import app
+    from atrium.lanes import ALL_QUEUES
+
+    app.loader.import_default_modules()
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30,
+                      queues=list(ALL_QUEUES)):
+        yield

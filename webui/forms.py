@@ -241,6 +241,10 @@ class PlanForm(forms.Form):
     max_prompt_tokens = _limit("Max prompt tokens (empty: none)")
     max_output_tokens = _limit("Max output tokens (empty: none)")
     monthly_token_cap = _limit("Monthly token cap (empty: none)")
+    max_files = _limit("Files a tenant keeps (empty: the server's default)")
+    max_file_bytes = _limit("Bytes of files a tenant keeps (empty: the server's default)")
+    max_active_batches = _limit("Batches a tenant has running or waiting (empty: the "
+                                "server's default)")
 
 
 class PlanUpdateForm(PlanForm):

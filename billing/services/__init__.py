@@ -7,6 +7,7 @@ first) and scope everything tenant-owned by the tenant they are given.
 
 from __future__ import annotations
 
+from billing.services.alert_emails import budget_alert_email
 from billing.services.budgets import (
     budget_alerts_collect,
     budget_create,
@@ -45,7 +46,8 @@ from billing.services.webhooks import (
 )
 
 __all__ = [
-    "PriceBackdated", "RefusedUsage", "UsageEvent", "budget_alerts_collect", "budget_create",
+    "PriceBackdated", "RefusedUsage", "UsageEvent", "budget_alert_email",
+    "budget_alerts_collect", "budget_create",
     "budget_delete", "budget_update", "budgets_publish", "budgets_reconcile",
     "webhook_deliver", "webhook_endpoint_create", "webhook_endpoint_delete",
     "webhook_event_emit", "webhooks_deliver_due", "export_build", "export_create",

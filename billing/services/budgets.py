@@ -17,18 +17,24 @@ from typing import Any
 
 import redis
 from django.conf import settings
-from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from billing import budgets
+from billing import budgets, queue
 from billing.models import Budget, BudgetAlert, UsageRecord, UsageRollup
 from billing.money import CENT, from_micros, micros
+from billing.selectors import budget_subjects
 from billing.services.webhooks import webhook_event_emit
 from core.errors import Conflict, InvalidRequest, NotFound
 from core.redis import sync_client
-from tenants.facade import Actor, api_key_belongs, audit_record, tenant_payer_emails
+from tenants.facade import (
+    Actor,
+    api_key_belongs,
+    api_key_lineage_members,
+    api_key_lineages,
+    audit_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +77,16 @@ def budget_create(*, tenant, actor: Actor, scope: str, window: str,
                                                      api_key_id=api_key_id):
             raise InvalidRequest("a key budget names one of this tenant's API keys",
                                  param="api_key_id", code="invalid_value")
+        _one_per_lineage(tenant, api_key_id, window)
     elif api_key_id is not None:
         raise InvalidRequest("api_key_id is for key budgets", param="api_key_id",
                              code="invalid_value")
     if scope != Budget.Scope.USER and end_user:
         raise InvalidRequest("end_user is for user budgets", param="end_user",
                              code="invalid_value")
-    if len(end_user) > 256 or "\x00" in end_user:
-        raise InvalidRequest("end_user has at most 256 characters", param="end_user",
-                             code="invalid_value")
+    if len(end_user) > 256 or any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in end_user):
+        raise InvalidRequest("end_user has at most 256 characters and no control characters "
+                             "(as a request's user)", param="end_user", code="invalid_value")
     try:
         with transaction.atomic():
             budget = Budget.objects.create(
@@ -92,6 +99,17 @@ def budget_create(*, tenant, actor: Actor, scope: str, window: str,
         raise Conflict("this tenant already has a budget for that scope and window; change "
                        "it instead", param="window") from None
     return budget
+
+
+def _one_per_lineage(tenant, api_key_id: int, window: str) -> None:
+    """A key and the keys rotated from it or into it share their budgets: a second key
+    budget for the same window among them is the same budget twice."""
+    lineage = api_key_lineages([api_key_id])[api_key_id]
+    if Budget.objects.for_tenant(tenant).filter(
+            scope=Budget.Scope.KEY, window=window,
+            api_key_id__in=api_key_lineage_members(lineage)).exists():
+        raise Conflict("this key (or the key it was rotated from or into) already has a "
+                       "budget for that window; change it instead", param="window")
 
 
 _UNSET: Any = object()
@@ -130,9 +148,6 @@ def _locked(tenant, budget_id: int) -> Budget:
     return budget
 
 
-def _subject(budget: Budget) -> str:
-    return budgets.subject_of(budget.scope, api_key_id=budget.api_key_id,
-                              end_user=budget.end_user)
 
 
 def budgets_publish(*, tenant_ids: Iterable[int] | None = None) -> None:
@@ -141,9 +156,11 @@ def budgets_publish(*, tenant_ids: Iterable[int] | None = None) -> None:
         Budget.objects.filter(tenant_id__in=list(tenant_ids))
     definitions: dict[int, dict[str, budgets.Definition]] = \
         {t: {} for t in (tenant_ids or ())}
+    rows = list(rows)
+    subjects = budget_subjects(rows)
     for b in rows:
         definitions.setdefault(b.tenant_id, {})[
-            budgets.field(b.scope, _subject(b), b.window)] = budgets.Definition(
+            budgets.field(b.scope, subjects[b.pk], b.window)] = budgets.Definition(
             b.pk, None if b.spend_limit is None else micros(b.spend_limit), b.token_limit)
     try:
         budgets.defs_set(sync_client(), definitions)
@@ -167,10 +184,11 @@ def _ledger_figures(budget: Budget, start: datetime, end: datetime
                 for r in rows.values("end_user").annotate(spend=Sum("cost"), tokens=Sum(tokens))}
     rows = UsageRollup.objects.for_tenant(budget.tenant).filter(
         day__gte=start.date(), day__lt=end.date())
-    if budget.scope == Budget.Scope.KEY:
-        rows = rows.filter(api_key_id=budget.api_key_id)
+    subject = budget_subjects([budget])[budget.pk]
+    if budget.scope == Budget.Scope.KEY:  # the key and every key it was rotated into
+        rows = rows.filter(api_key_id__in=api_key_lineage_members(int(subject)))
     total = rows.aggregate(spend=Sum("cost"), tokens=Sum(tokens))
-    return {_subject(budget): (total["spend"] or Decimal(0), total["tokens"] or 0)}
+    return {subject: (total["spend"] or Decimal(0), total["tokens"] or 0)}
 
 
 def budgets_reconcile(*, now: datetime | None = None) -> int:
@@ -192,69 +210,68 @@ def budgets_reconcile(*, now: datetime | None = None) -> int:
 def budget_alerts_collect() -> int:
     """Turns the thresholds admission and settlement marked as crossed into alerts: each
     recorded once, emailed to the tenant's payers and sent to its webhooks. Returns how
-    many alerts are new."""
+    many alerts are new.
+
+    A pass takes at most ATRIUM_ALERTS_PER_TENANT_PASS of one tenant's thresholds (a
+    tenant whose end users cross thousands waits for later passes, not the others), and a
+    tenant whose alerts fail to record is logged and passed over."""
     client = sync_client()
     added = 0
     for tenant_id in Budget.objects.values_list("tenant_id", flat=True).distinct():
-        entries = budgets.alerts_pending(client, tenant_id)
-        for entry in entries:
-            added += _alert_record(tenant_id, entry)
-        # NOTE: only after the alerts are committed: a worker dying first sends them later.
-        budgets.alerts_done(client, tenant_id, entries)
+        try:
+            added += _tenant_alerts_collect(client, tenant_id)
+        except Exception:  # noqa: BLE001 - one tenant's bad entry never stops the others
+            log.exception("could not record tenant %s's budget alerts", tenant_id)
+    return added
+
+
+def _tenant_alerts_collect(client: redis.Redis, tenant_id: int) -> int:
+    entries = budgets.alerts_pending(client, tenant_id,
+                                     limit=settings.ATRIUM_ALERTS_PER_TENANT_PASS)
+    added = sum(_alert_record(tenant_id, entry) for entry in entries)
+    # NOTE: only after the alerts are committed: a worker dying first sends them later.
+    budgets.alerts_done(client, tenant_id, entries)
     return added
 
 
 def _alert_record(tenant_id: int, entry: str) -> int:
     try:
-        budget_id, key, threshold, spent, tokens, at_ms, end_user = entry.split("|", 6)
+        budget_id, key, threshold, spent, tokens, _at_ms, end_user = entry.split("|", 6)
+        label, threshold, spent, tokens = (key.rsplit(":", 1)[1], int(threshold),
+                                           from_micros(int(spent)), int(tokens))
         budget = Budget.objects.select_related("tenant").get(pk=int(budget_id),
                                                              tenant_id=tenant_id)
-    except (ValueError, Budget.DoesNotExist):
-        return 0  # a malformed entry, or a budget deleted since
-    label = key.rsplit(":", 1)[1]
+    except (ValueError, IndexError, Budget.DoesNotExist):
+        return 0  # a malformed entry, or a budget deleted since: dropped
+    each_user = budget.scope == Budget.Scope.USER and not budget.end_user
     with transaction.atomic():
         alert, created = BudgetAlert.objects.get_or_create(
-            budget=budget, window_label=label, threshold=int(threshold),
+            budget=budget, window_label=label[:10], threshold=threshold,
             subject=budgets.user_subject(end_user) if end_user and budget.scope == "user"
-            else "", defaults={"tenant_id": tenant_id, "spent": from_micros(int(spent)),
-                               "tokens": int(tokens), "end_user": end_user[:256]})
+            else "", defaults={"tenant_id": tenant_id, "spent": spent, "tokens": tokens,
+                               "end_user": end_user[:256]})
         if not created:
             return 0
-        event = _alert_event(budget, alert)
+        event = alert_event(budget, alert)
         webhook_event_emit(tenant=budget.tenant, event_type="budget.threshold_reached",
                            data=event)
-        transaction.on_commit(partial(_alert_email, alert.pk, event))
+        if not each_user or _earlier_alerts(alert) < settings.ATRIUM_ALERT_EMAILS_PER_WINDOW:
+            transaction.on_commit(partial(queue.budget_alert_email_enqueue,
+                                          alert_id=alert.pk))
     return 1
 
 
-def _alert_event(budget: Budget, alert: BudgetAlert) -> dict[str, Any]:
+def _earlier_alerts(alert: BudgetAlert) -> int:
+    """Alerts of the same budget, window and threshold before this one (other end users')."""
+    return BudgetAlert.objects.filter(budget_id=alert.budget_id, window_label=alert.window_label,
+                                      threshold=alert.threshold, pk__lt=alert.pk).count()
+
+
+def alert_event(budget: Budget, alert: BudgetAlert) -> dict[str, Any]:
+    """An alert as its webhook event's ``data`` (and its email) tell it."""
     return {"budget_id": budget.pk, "scope": budget.scope, "api_key_id": budget.api_key_id,
             "end_user": alert.end_user or None, "window": budget.window,
             "window_label": alert.window_label, "threshold": alert.threshold,
             "spend_limit": None if budget.spend_limit is None else str(budget.spend_limit),
             "token_limit": budget.token_limit, "spent": str(alert.spent),
             "tokens": alert.tokens, "currency": settings.ATRIUM_BILLING_CURRENCY}
-
-
-def _alert_email(alert_id: int, event: dict[str, Any]) -> None:
-    alert = BudgetAlert.objects.select_related("tenant").get(pk=alert_id)
-    recipients = tenant_payer_emails(alert.tenant_id)
-    if not recipients:
-        return
-    who = {"tenant": "the tenant", "key": f"API key #{event['api_key_id']}",
-           "user": f"end user {event['end_user'] or '(each)'}"}[event["scope"]]
-    reached = ("refused a request or reached its limit" if alert.threshold == 100
-               else f"reached {alert.threshold}%")
-    subject = f"[Atrium] {alert.tenant.slug}: the {event['window']} budget of {who} {reached}"
-    lines = [f"Tenant: {alert.tenant.slug}", f"Budget: #{event['budget_id']} ({who}, per "
-             f"{event['window']}, window {event['window_label']})"]
-    if event["spend_limit"] is not None:
-        lines.append(f"Spend: {event['spent']} of {event['spend_limit']} {event['currency']}")
-    if event["token_limit"] is not None:
-        lines.append(f"Tokens: {event['tokens']} of {event['token_limit']}")
-    try:
-        send_mail(subject, "\n".join(lines) + "\n", None, recipients)
-    except OSError:
-        log.warning("could not email budget alert %s", alert_id)
-        return
-    BudgetAlert.objects.filter(pk=alert_id).update(emailed_to=len(recipients))

@@ -14,6 +14,7 @@ from django.utils import timezone
 from billing import queue
 from billing.exports import export_storage, export_write
 from billing.models import Export
+from core import lanes
 from core.errors import InvalidRequest, NotFound, RateLimited
 from tenants.facade import Actor
 
@@ -49,7 +50,17 @@ def export_create(*, tenant, actor: Actor, kind: str, format: str, start: dateti
 
 def export_build(*, export_id: int) -> Export:
     """Builds the export's file in constant memory; a no-op once it succeeded. Safe to rerun
-    after a worker died mid-build: it starts again and replaces the partial file."""
+    after a worker died mid-build: it starts again and replaces the partial file. Raises
+    lanes.TenantBusy while the tenant's share of the exports lane is taken."""
+    tenant_id = Export.objects.filter(pk=export_id).values_list("tenant_id", flat=True).first()
+    if tenant_id is None:
+        raise NotFound(f"no export {export_id}")
+    with lanes.tenant_slot("exports", tenant_id, cap=settings.ATRIUM_EXPORTS_PER_TENANT,
+                           lease_s=settings.ATRIUM_EXPORT_LEASE_S):
+        return _build(export_id)
+
+
+def _build(export_id: int) -> Export:
     with transaction.atomic():
         export = Export.objects.select_for_update().filter(pk=export_id).first()
         if export is None:

@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import re
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
 
@@ -17,6 +19,7 @@ from asgiref.sync import sync_to_async  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.urls import get_resolver, path  # noqa: E402
 
@@ -39,6 +42,41 @@ class DjangoHandler(ASGIHandler):
             return await self.handle(scope, receive, send)
         return await super().__call__(scope, receive, send)
 
+    async def read_body(self, receive):
+        """Django's, but a body past FILE_UPLOAD_MAX_MEMORY_SIZE (an upload: the Files API,
+        adapters) is written to its temporary file off the event loop, a MiB at a time.
+
+        NOTE: Django writes every chunk on the loop. Small bodies still are (no thread hop
+        for a request); a disk write of a large one can stall for as long as the kernel
+        throttles writers, and every request on the process would wait with it."""
+        limit = settings.FILE_UPLOAD_MAX_MEMORY_SIZE
+        body_file = tempfile.SpooledTemporaryFile(max_size=limit, mode="w+b")
+        loop = asyncio.get_running_loop()
+        pending, size = bytearray(), 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                body_file.close()
+                raise RequestAborted()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            more = message.get("more_body", False)
+            if size <= limit:
+                body_file.write(chunk)
+            else:
+                pending += chunk
+                if len(pending) >= _BODY_WRITE_BYTES or not more:
+                    await loop.run_in_executor(_body_writer, body_file.write, bytes(pending))
+                    pending.clear()
+            if not more:
+                break
+        body_file.seek(0)
+        return body_file
+
+
+_BODY_WRITE_BYTES = 1 << 20
+_body_writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="atrium-body-writer")
+
 
 django_app = DjangoHandler()
 # The URLconf, and every view it imports, now rather than on the first request: that
@@ -48,6 +86,7 @@ get_resolver().url_patterns  # noqa: B018
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 
 from adapters.consumers import AdapterEventsConsumer  # noqa: E402
+from inference.batch_views import upload_turns  # noqa: E402
 from inference.consumers import InferenceConsumer  # noqa: E402
 from webui.consumers import FleetConsumer  # noqa: E402
 
@@ -77,7 +116,7 @@ class BodyLimit:
         to say when the size is exceeded."""
         path = scope.get("path", "")
         if self.FILES.match(path):
-            if await _known_key(scope, "inference"):
+            if await _known_key(scope, "inference") is not None:
                 return (settings.ATRIUM_FILE_MAX_BYTES + (1 << 20),  # + multipart framing
                         settings.ATRIUM_UPLOAD_TIMEOUT_S, "")
             return self.default_limit, settings.ATRIUM_BODY_TIMEOUT_S, (
@@ -99,6 +138,23 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit, seconds, hint = await self.limit_for(scope)
+        uploader = await self._uploader(scope)
+        if uploader is None:
+            return await self._bounded(scope, receive, send, limit, seconds, hint)
+        # NOTE: the tenant's turn before its body is read: a tenant's uploads arrive one
+        # after another (the others are held back by TCP), never all at once.
+        async with upload_turns.turn(uploader):
+            return await self._bounded(scope, receive, send, limit, seconds, hint)
+
+    async def _uploader(self, scope) -> int | None:
+        """The tenant of a Files API upload by a known key (None: not one)."""
+        if scope.get("method") != "POST" or not self.FILES.match(scope.get("path", "")):
+            return None
+        principal = await _known_key(scope, "inference")
+        return None if principal is None else principal.tenant_id
+
+    async def _bounded(self, scope, receive, send, limit: int, seconds: float,
+                       hint: str) -> None:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return await self._refuse(send, 413, "request_too_large",
@@ -111,9 +167,11 @@ class BodyLimit:
             nonlocal seen, body_done
             if body_done:
                 return await receive()  # after the body: only a disconnect comes
-            remaining = deadline - asyncio.get_running_loop().time()
+            # NOTE: a timeout on this task, not wait_for's task per message: an upload's
+            # body comes in thousands of messages.
             try:
-                message = await asyncio.wait_for(receive(), max(remaining, 0.001))
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
             except TimeoutError:
                 raise _TooSlow from None
             if message["type"] == "http.request":
@@ -142,19 +200,19 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-async def _known_key(scope, key_scope: str) -> bool:
-    """An active API key with ``key_scope``, any tenant's."""
+async def _known_key(scope, key_scope: str):
+    """The principal of an active API key with ``key_scope``, any tenant's, or None."""
     from core.errors import ApiError
     from tenants.facade import aauthenticate
 
     headers = dict(scope.get("headers", []))
     if b"authorization" not in headers:
-        return False
+        return None
     try:
-        await aauthenticate(headers[b"authorization"].decode("latin-1"), scope=key_scope)
+        return await aauthenticate(headers[b"authorization"].decode("latin-1"),
+                                   scope=key_scope)
     except ApiError:
-        return False
-    return True
+        return None
 
 
 async def _known_uploader(scope, slug: str) -> bool:

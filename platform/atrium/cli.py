@@ -239,16 +239,32 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
         serve(args.metrics_port, host=args.metrics_host, what="Celery worker")
 
-    if args.nice:
-        os.nice(args.nice)  # this worker's processes yield the CPU to web and engines
-    argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}",
-            f"--queues={args.queues}",
+    queues, pool, concurrency, nice = _worker_shape(args)
+    if nice:
+        os.nice(nice)  # this worker's processes yield the CPU to web and engines
+    argv = ["worker", "--loglevel=INFO", f"--concurrency={concurrency}", f"--pool={pool}",
+            f"--queues={queues}",
             # Workers serving different queues on one host need names of their own.
-            f"--hostname={args.queues.replace(',', '-')}@%h"]
+            f"--hostname={args.lane or queues.replace(',', '-')}@%h"]
     if not args.no_beat:
         beat_db = atrium_home() / "celerybeat-schedule"
         argv += ["--beat", f"--schedule={beat_db}"]
     app.worker_main(argv)
+
+
+def _worker_shape(args: argparse.Namespace) -> tuple[str, str, int, int]:
+    """Queues, pool, concurrency and niceness: the lane's (atrium/lanes.py), or every
+    lane's queues in one prefork pool, with the flags given over either."""
+    from atrium.lanes import ALL_QUEUES, LANES
+
+    if args.lane:
+        lane = LANES[args.lane]
+        queues, pool, concurrency, nice = (",".join(lane.queues), lane.pool,
+                                           lane.concurrency, lane.nice)
+    else:
+        queues, pool, concurrency, nice = ",".join(ALL_QUEUES), "prefork", 2, 0
+    return (args.queues or queues, args.pool or pool, args.concurrency or concurrency,
+            nice if args.nice is None else args.nice)
 
 
 def cmd_beat(args: argparse.Namespace) -> None:
@@ -292,15 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(eng)
     eng.set_defaults(func=cmd_engine)
 
+    from atrium.lanes import LANES
+
     worker = sub.add_parser("worker", help="Celery worker with beat")
-    worker.add_argument("--concurrency", type=int, default=2)
+    worker.add_argument("--lane", choices=sorted(LANES),
+                        help="serve one lane of background work with its own pool and "
+                        "concurrency (docs/deploy.md#lanes): " + "; ".join(
+                            f"{name}: {lane.what}" for name, lane in LANES.items())
+                        + ". Without it: every lane's queues in one pool")
+    worker.add_argument("--concurrency", type=int, help="processes or threads (the lane's, "
+                        "or 2)")
+    worker.add_argument("--pool", choices=("prefork", "threads", "solo"),
+                        help="Celery's pool (the lane's, or prefork)")
     worker.add_argument("--no-beat", action="store_true")
-    worker.add_argument("--nice", type=int, default=0,
-                        help="lower this worker's CPU priority by N (the batches worker "
-                        "beside web and engine on one host)")
-    worker.add_argument("--queues", default="celery,batches",
-                        help="Celery queues to serve: celery (the platform's tasks), batches "
-                        "(Batch API runners, each busy for the length of a batch)")
+    worker.add_argument("--nice", type=int, help="lower this worker's CPU priority by N "
+                        "(the lane's on one host: jobs and batches yield to web and engines)")
+    worker.add_argument("--queues", help="Celery queues to serve, over the lane's: celery, "
+                        "alerts, webhooks, exports, adapters, batches")
     add_metrics_arguments(worker, "ATRIUM_WORKER_METRICS_PORT")
     worker.set_defaults(func=cmd_worker)
 

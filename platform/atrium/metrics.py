@@ -14,13 +14,16 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from atrium.lanes import ALL_QUEUES
 from core.redis import broker_client, sync_client
 from core.served_models import served_models
 from engine import protocol
 
 log = logging.getLogger(__name__)
 
-CELERY_QUEUES = ("celery",)  # the default queue; Atrium routes no task elsewhere
+CELERY_QUEUES = ALL_QUEUES  # every lane's (atrium/lanes.py)
+
+
 LAG_COUNT_MAX = 10_000  # entries counted where Redis does not say a group's lag
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from atrium import lanes
 from atrium.celery import REDIS_SCHEMES, celery_redis_url
+from batches.tasknames import FILES_EXPIRE
 from engine.redis_connect import RedisTarget
 
 BASE_DIR = Path(__file__).resolve().parent
@@ -228,6 +230,9 @@ ATRIUM_ADAPTER_MAX_UPLOAD_BYTES = int(os.environ.get("ATRIUM_ADAPTER_MAX_UPLOAD_
                                                      str(2 << 30)))
 ATRIUM_ADAPTER_CHUNK_BYTES = int(os.environ.get("ATRIUM_ADAPTER_CHUNK_BYTES", str(8 << 20)))
 ATRIUM_ADAPTER_UPLOAD_TTL_S = int(os.environ.get("ATRIUM_ADAPTER_UPLOAD_TTL_S", str(86400)))
+# The adapters lane: one tenant's uploads validated at once (the rest wait their turn).
+ATRIUM_ADAPTER_VALIDATIONS_PER_TENANT = int(os.environ.get(
+    "ATRIUM_ADAPTER_VALIDATIONS_PER_TENANT", "1"))
 
 # API keys and members (docs/tenancy.md).
 # Seconds a key's state stays in the Redis key cache; changes rewrite it at once anyway.
@@ -253,6 +258,10 @@ ATRIUM_INVOICE_GRACE_S = int(os.environ.get("ATRIUM_INVOICE_GRACE_S", "3600"))
 ATRIUM_EXPORT_DIR = Path(os.environ.get("ATRIUM_EXPORT_DIR", ATRIUM_HOME / "exports"))
 ATRIUM_EXPORT_TTL_S = int(os.environ.get("ATRIUM_EXPORT_TTL_S", str(7 * 86400)))
 ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
+# The exports lane: one tenant's exports built at once (the rest wait their turn), and how
+# long a dead worker's build keeps that turn.
+ATRIUM_EXPORTS_PER_TENANT = int(os.environ.get("ATRIUM_EXPORTS_PER_TENANT", "1"))
+ATRIUM_EXPORT_LEASE_S = int(os.environ.get("ATRIUM_EXPORT_LEASE_S", "900"))
 # Files of the Files and Batch APIs (docs/batches.md): how large an upload may be, how
 # many requests a batch holds, how many of a batch's lines run at once, and where files
 # live (any Django storage: ATRIUM_FILES_BACKEND names its class, ATRIUM_FILES_OPTIONS
@@ -261,6 +270,18 @@ ATRIUM_FILE_MAX_BYTES = int(os.environ.get("ATRIUM_FILE_MAX_BYTES", str(100 * 10
 ATRIUM_BATCH_MAX_LINES = int(os.environ.get("ATRIUM_BATCH_MAX_LINES", "50000"))
 ATRIUM_BATCH_CONCURRENCY = int(os.environ.get("ATRIUM_BATCH_CONCURRENCY", "4"))
 ATRIUM_BATCH_LEASE_S = float(os.environ.get("ATRIUM_BATCH_LEASE_S", "60"))
+# What one tenant may hold and run (a plan's max_files, max_file_bytes and
+# max_active_batches override the first three): files kept, their bytes, batches not yet
+# ended, and batches running at once in the batches lane (more wait for a runner).
+ATRIUM_TENANT_MAX_FILES = int(os.environ.get("ATRIUM_TENANT_MAX_FILES", "500"))
+ATRIUM_TENANT_MAX_FILE_BYTES = int(os.environ.get("ATRIUM_TENANT_MAX_FILE_BYTES",
+                                                  str(10 * 1024 ** 3)))
+ATRIUM_TENANT_MAX_ACTIVE_BATCHES = int(os.environ.get("ATRIUM_TENANT_MAX_ACTIVE_BATCHES", "10"))
+ATRIUM_BATCH_TENANT_RUNNING = int(os.environ.get("ATRIUM_BATCH_TENANT_RUNNING", "2"))
+# How long a batch input file uploaded without expires_after, and a batch's output and
+# error files, are kept (OpenAI's default for batch files: 30 days).
+ATRIUM_FILE_DEFAULT_EXPIRY_S = int(os.environ.get("ATRIUM_FILE_DEFAULT_EXPIRY_S",
+                                                  str(30 * 86400)))
 ATRIUM_FILES_DIR = Path(os.environ.get("ATRIUM_FILES_DIR", ATRIUM_HOME / "files"))
 try:
     _files_options = json.loads(os.environ.get("ATRIUM_FILES_OPTIONS") or "null")
@@ -276,12 +297,13 @@ STORAGES["billing-exports"] = {"BACKEND": "django.core.files.storage.FileSystemS
 
 # Budget alerts (docs/billing.md#budgets): email through Django's email backend (the
 # console backend, which prints them, unless an SMTP host is named), and webhooks: each
-# attempt's timeout, how many attempts, the first retry's delay (doubling after), and
-# whether endpoints may be on loopback or private networks (off: tenants cannot reach the
-# operator's own network through Atrium).
+# attempt's wall-clock deadline, how many attempts, the first retry's delay (doubling
+# after), how many of one tenant's deliveries are attempted at once, and whether endpoints
+# may be on loopback or private networks (off: tenants cannot reach the operator's own
+# network through Atrium).
 ATRIUM_EMAIL_HOST = os.environ.get("ATRIUM_EMAIL_HOST", "").strip()
 if ATRIUM_EMAIL_HOST:
-    EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    EMAIL_BACKEND = "core.mail.SMTPBackend"  # Django's, with a wall-clock deadline
     EMAIL_HOST = ATRIUM_EMAIL_HOST
     EMAIL_PORT = int(os.environ.get("ATRIUM_EMAIL_PORT", "587"))
     EMAIL_HOST_USER = os.environ.get("ATRIUM_EMAIL_USER", "")
@@ -290,6 +312,14 @@ if ATRIUM_EMAIL_HOST:
 else:
     EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
 DEFAULT_FROM_EMAIL = os.environ.get("ATRIUM_EMAIL_FROM", "atrium@localhost")
+# A whole SMTP conversation's deadline (connect, greeting, TLS, the message, its answer).
+ATRIUM_EMAIL_TIMEOUT_S = float(os.environ.get("ATRIUM_EMAIL_TIMEOUT_S", "15"))
+# The alerts lane: thresholds one tenant's pass records (the rest wait for the next pass,
+# so one tenant's flood never delays another's alerts), and the emails one budget's window
+# sends per threshold when it counts each end user apart (past that: recorded and sent
+# to webhooks, not emailed).
+ATRIUM_ALERTS_PER_TENANT_PASS = int(os.environ.get("ATRIUM_ALERTS_PER_TENANT_PASS", "50"))
+ATRIUM_ALERT_EMAILS_PER_WINDOW = int(os.environ.get("ATRIUM_ALERT_EMAILS_PER_WINDOW", "3"))
 ATRIUM_WEBHOOK_TIMEOUT_S = float(os.environ.get("ATRIUM_WEBHOOK_TIMEOUT_S", "10"))
 ATRIUM_WEBHOOK_MAX_ATTEMPTS = int(os.environ.get("ATRIUM_WEBHOOK_MAX_ATTEMPTS", "8"))
 ATRIUM_WEBHOOK_RETRY_BASE_S = float(os.environ.get("ATRIUM_WEBHOOK_RETRY_BASE_S", "10"))
@@ -329,9 +359,10 @@ if ATRIUM_REDIS_SENTINELS and not ATRIUM_BROKER_URL:
     CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = _sentinel_transport
 CELERY_TASK_IGNORE_RESULT = True  # tasks report through the database, never a result
 CELERY_TASK_ACKS_LATE = True
-# Batches run for minutes or hours: on a queue of their own, which `atrium worker` also
-# serves unless told otherwise (`--queues`), so the ledger's tasks never wait behind one.
-CELERY_TASK_ROUTES = {"inference.tasks.batch_run": {"queue": "batches"}}
+# Background work in lanes (atrium/lanes.py): what a tenant can slow down (webhooks,
+# emails, exports, adapter validation, batches) on queues of their own, so the ledger's
+# tasks never wait behind it. `atrium worker` serves every lane unless told `--lane`.
+CELERY_TASK_ROUTES = lanes.ROUTES
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Celery keeps its hands off the root logger: LOGGING below (JSON, redacted) stays in force.
@@ -343,6 +374,7 @@ CELERY_BEAT_SCHEDULE = {
     "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
     "budgets-reconcile": {"task": "billing.tasks.budgets_reconcile", "schedule": 60.0},
     "batches-resume": {"task": "inference.tasks.batches_resume", "schedule": 30.0},
+    "files-expire": {"task": FILES_EXPIRE, "schedule": 600.0},
     "budget-alerts": {"task": "billing.tasks.budget_alerts", "schedule": 10.0},
     "webhooks-due": {"task": "billing.tasks.webhooks_due", "schedule": 5.0},
     "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},

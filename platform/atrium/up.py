@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from atrium.cli_support import atrium_home, django_setup, new_key, refuse_busy_port
+from atrium.lanes import LANES
 
 # What `atrium up` gives its one key: what a solo developer does in the first hour (call
 # models, upload adapters, read usage, export the bill), not tenant administration.
@@ -105,6 +106,8 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     models = list(model_paths())
 
     exe = [sys.executable, "-m", "atrium.cli"]
+    worker_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
+        _fresh_dir(home / "metrics" / "worker"))}
     web_metrics, engine_metrics, worker_metrics = (
         ["--metrics-port", str(args.metrics_port + offset), "--metrics-host", METRICS_HOST]
         for offset in range(len(METRICS_OF)))
@@ -117,14 +120,13 @@ def _up(args: argparse.Namespace, home: Path) -> None:
         *(subprocess.Popen(exe + ["engine", "--model-name", name, "--drain-seconds", "10",
                                   *(engine_metrics if i == 0 else _extra_metrics(args, i))])
           for i, name in enumerate(models)),
-        subprocess.Popen(exe + ["worker", "--concurrency", "1", "--queues", "celery",
-                                *worker_metrics],
-                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
-                             _fresh_dir(home / "metrics" / "worker"))}),
-        # Batch runners apart: a running batch never holds up the ledger's tasks, and on
-        # one host it takes only the CPU web and engine leave.
-        subprocess.Popen(exe + ["worker", "--concurrency", "2", "--queues", "batches",
-                                "--no-beat", "--nice", "10"]),
+        # One worker per lane of background work (atrium/lanes.py): what a tenant can
+        # slow down never holds up the ledger's tasks, and on one host the jobs and
+        # batches lanes take only the CPU web and engine leave. The core lane runs the
+        # beat and serves the metrics every lane's processes write.
+        *(subprocess.Popen(exe + ["worker", "--lane", lane, *(
+            worker_metrics if lane == "core" else ["--no-beat"])], env=worker_env)
+          for lane in LANES),
     ]
     base = f"http://{args.host}:{args.port}"
     try:

@@ -9,12 +9,30 @@ from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from tenants.apis.base import StrictSerializer
-from tenants.models import QUOTA_FIELDS, QUOTA_MAX, ApiKey, Invitation, Role, Scope
+from tenants.models import (
+    QUOTA_FIELDS,
+    QUOTA_MAX,
+    STORAGE_MAX,
+    ApiKey,
+    Invitation,
+    Role,
+    Scope,
+)
 
 
 def _limit_field(name: str, **kwargs: Any) -> serializers.IntegerField:
     return serializers.IntegerField(min_value=1, max_value=QUOTA_MAX[name], allow_null=True,
                                     **kwargs)
+
+
+def storage_field(name: str, **kwargs: Any) -> serializers.IntegerField:
+    """A plan's limit on what its tenants keep (null: the server's default)."""
+    return serializers.IntegerField(min_value=1, max_value=STORAGE_MAX[name], allow_null=True,
+                                    help_text={"max_files": "files a tenant may hold",
+                                               "max_file_bytes": "bytes of files it may hold",
+                                               "max_active_batches": "batches it may have "
+                                               "running or waiting"}[name]
+                                    + " (null: the server's default)", **kwargs)
 
 
 @extend_schema_serializer(component_name="Limits")
@@ -152,6 +170,9 @@ class PlanSerializer(LimitsSerializer):
     requests_per_minute = serializers.IntegerField(min_value=1)
     tokens_per_minute = serializers.IntegerField(min_value=1)
     max_concurrent_requests = serializers.IntegerField(min_value=1)
+    max_files = storage_field("max_files")
+    max_file_bytes = storage_field("max_file_bytes")
+    max_active_batches = storage_field("max_active_batches")
 
 
 @extend_schema_serializer(component_name="AuditEvent")

@@ -16,6 +16,7 @@ from tenants.apis.serializers import (
     TenantSerializer,
     limits_of,
     list_of,
+    storage_field,
 )
 from tenants.models import QUOTA_FIELDS, Membership, Role
 
@@ -66,6 +67,9 @@ class PlanCreateApi(Api):
         max_prompt_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
         max_output_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
         monthly_token_cap = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+        max_files = storage_field("max_files", required=False)
+        max_file_bytes = storage_field("max_file_bytes", required=False)
+        max_active_batches = storage_field("max_active_batches", required=False)
 
     @extend_schema(tags=["plans"], summary="Create a plan (operators)", request=InputSerializer,
                    responses={201: PlanSerializer})
@@ -92,6 +96,9 @@ class PlanUpdateApi(Api):
         max_prompt_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
         max_output_tokens = serializers.IntegerField(min_value=1, required=False, allow_null=True)
         monthly_token_cap = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+        max_files = storage_field("max_files", required=False)
+        max_file_bytes = storage_field("max_file_bytes", required=False)
+        max_active_batches = storage_field("max_active_batches", required=False)
 
     @extend_schema(tags=["plans"], summary="Change a plan (operators); applies to its tenants "
                    "at once", request=InputSerializer, responses=PlanSerializer)

@@ -116,8 +116,8 @@ def api_key_revoke(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM) -> Api
 @transaction.atomic
 def api_key_rotate(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM,
                    grace_seconds: int | None = None) -> tuple[ApiKey, str]:
-    """A new key with the same name, scopes, expiry, limits and owner (an admin rotating a
-    developer's key leaves it the developer's); the old one keeps working for
+    """A new key with the same name, scopes, expiry, limits, budgets and owner (an admin
+    rotating a developer's key leaves it the developer's); the old one keeps working for
     `grace_seconds` (ATRIUM_KEY_ROTATION_GRACE_S by default), then fails.
     Returns the new key and its plaintext, shown once.
     """
@@ -133,9 +133,11 @@ def api_key_rotate(*, tenant: Tenant, key_id: int, actor: Actor = SYSTEM,
         raise Conflict("this key was rotated already; rotate its replacement")
     before = _key_snapshot(old)
     secret = keys.generate()
+    # NOTE: the same lineage: the old key's budgets and key-level counters carry on.
     new = ApiKey.objects.create(tenant=tenant, name=old.name, prefix=secret.prefix,
                                 digest=secret.digest, scopes=list(old.scopes),
-                                expires_at=old.expires_at, created_by=old.created_by)
+                                expires_at=old.expires_at, created_by=old.created_by,
+                                lineage_id=old.lineage_root_id)
     override = selectors.quota_override_get(tenant=tenant, api_key=old)
     if override is not None:
         QuotaOverride.objects.create(tenant=tenant, api_key=new, **{

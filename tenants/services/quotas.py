@@ -10,7 +10,14 @@ from django.utils import timezone
 from core.errors import InvalidRequest
 from tenants import selectors
 from tenants.access import Actor
-from tenants.models import QUOTA_FIELDS, QUOTA_MAX, QuotaOverride, Tenant
+from tenants.models import (
+    QUOTA_FIELDS,
+    QUOTA_MAX,
+    STORAGE_FIELDS,
+    STORAGE_MAX,
+    QuotaOverride,
+    Tenant,
+)
 from tenants.services.api_keys import locked_key
 from tenants.services.audit import audit_record
 from tenants.services.key_refresh import key_cache_refresh, tenant_keys_refresh
@@ -33,11 +40,19 @@ _PLAN_REQUIRED = ("requests_per_minute", "tokens_per_minute", "max_concurrent_re
 
 
 def validated_plan_limits(limits: dict[str, Any]) -> None:
+    """A plan's quotas and its limits on what tenants keep (STORAGE_FIELDS)."""
     for field in _PLAN_REQUIRED:
         if field in limits and limits[field] is None:
             raise InvalidRequest(f"a plan must set '{field}'", param=field,
                                  code="invalid_value")
-    validated_limits(limits)
+    for field in STORAGE_FIELDS:
+        value = limits.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 1 <= value <= STORAGE_MAX[field]):
+            raise InvalidRequest(f"'{field}' must be an integer from 1 to "
+                                 f"{STORAGE_MAX[field]:,}, or null", param=field,
+                                 code="invalid_value")
+    validated_limits({f: v for f, v in limits.items() if f not in STORAGE_FIELDS})
 
 
 def _override_snapshot(override: QuotaOverride | None) -> dict[str, Any]:

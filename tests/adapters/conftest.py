@@ -3,6 +3,7 @@
 from tests.live import (  # noqa: F401
     adapter_store,
     api_server,
+    celery_worker,
     engine_worker,
     redis_client,
     served_model,

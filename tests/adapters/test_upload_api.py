@@ -41,17 +41,6 @@ def store(adapter_store) -> Path:
 
 
 @pytest.fixture
-def celery_worker(transactional_db, redis_client):
-    from celery.contrib.testing.worker import start_worker
-
-    from atrium.celery import app
-
-    app.loader.import_default_modules()
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-        yield
-
-
-@pytest.fixture
 def lora_engine(served_model, tiny_model_path, store, redis_client):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine

@@ -11,6 +11,7 @@ import redis as redis_lib
 from django.conf import settings
 
 from billing.services import UsageEvent, price_create
+from tests.live import celery_worker  # noqa: F401
 
 # A closed month (its invoice can be finalized) and a time inside it.
 T0 = datetime(2026, 3, 1, tzinfo=UTC)

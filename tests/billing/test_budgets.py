@@ -16,14 +16,17 @@ from billing import budgets, pricing
 from billing.models import Budget, BudgetAlert, UsageRecord, WebhookDelivery, WebhookEndpoint
 from billing.money import micros
 from billing.services import (
+    budget_alert_email,
     budget_alerts_collect,
     budget_create,
     budget_delete,
     budget_update,
+    budgets_publish,
     budgets_reconcile,
     usage_records_ingest,
 )
-from core.errors import Conflict, InvalidRequest, NotFound
+from billing.services import budgets as budgets_service
+from core.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from tenants.access import SYSTEM
 from tenants.models import AuditEvent
 from tests.billing.conftest import event, prices
@@ -69,6 +72,7 @@ def test_bad_budgets_are_refused_and_change_nothing(redis_client):
         dict(scope="key", window="day", token_limit=5),
         dict(scope="tenant", window="day", token_limit=5, end_user="bob"),
         dict(scope="user", window="day", token_limit=5, end_user="x" * 257),
+        dict(scope="user", window="day", token_limit=5, end_user="bob\r\nBcc: all"),
     ]
     for fields in refusals:
         with pytest.raises(InvalidRequest):
@@ -132,6 +136,7 @@ def test_crossed_thresholds_become_one_alert_each_emailed_and_sent_to_webhooks(
     queued = []
     monkeypatch.setattr("billing.queue.webhook_deliver_enqueue",
                         lambda delivery_id: queued.append(delivery_id))
+    emails_now(monkeypatch)
     key = budgets.counter_key(acme.pk, f"u:{budgets.user_subject('alice')}", "2026-11-27")
     entry = f"{budget.pk}|{key}|80|800000|40|1|alice|with a bar"
     redis_client.sadd(budgets.alerts_key(acme.pk), entry, f"{budget.pk}|junk")
@@ -152,6 +157,146 @@ def test_crossed_thresholds_become_one_alert_each_emailed_and_sent_to_webhooks(
     assert delivery.payload["data"]["threshold"] == 80
     assert delivery.payload["data"]["end_user"] == "alice|with a bar"
     assert redis_client.scard(budgets.alerts_key(acme.pk)) == 0
+
+
+def test_a_key_budget_follows_its_key_through_rotation(redis_client):
+    import asyncio
+
+    import redis.asyncio as aioredis
+    from django.conf import settings as django_settings
+
+    from inference import admission as quota
+    from tenants.selectors import principal_by_key_id
+    from tenants.services import api_key_rotate
+
+    acme = tenant_factory()
+    old = key_factory(acme)
+    budget_create(tenant=acme, actor=SYSTEM, scope="key", window="day", api_key_id=old.id,
+                  token_limit=100)
+    new, _ = api_key_rotate(tenant=acme, key_id=old.id, grace_seconds=60)
+    budgets_publish(tenant_ids=[acme.pk])
+
+    async def admit(principal, tokens: int) -> quota.Admission:
+        client = aioredis.Redis.from_url(django_settings.REDIS_URL)
+        try:
+            return await quota.admit(client, principal=principal, prompt_tokens=tokens,
+                                     request_id=f"r{principal.api_key_id}-{tokens}",
+                                     max_tokens=0, lease_s=60)
+        finally:
+            await client.aclose()
+
+    was, now = (principal_by_key_id(api_key_id=k.id) for k in (old, new))
+    assert asyncio.run(admit(was, 60)).budget_windows  # the old key, in its grace
+    held = asyncio.run(admit(now, 30)).budget_windows  # its replacement: the same budget
+    assert [w.tokens_used for w in held] == [90]
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(admit(now, 20))  # rotating reset nothing
+    with pytest.raises(Conflict):  # one budget per key and window, rotations included
+        budget_create(tenant=acme, actor=SYSTEM, scope="key", window="day",
+                      api_key_id=new.id, token_limit=5)
+
+
+def emails_now(monkeypatch) -> list[int]:
+    """Alert emails sent as they are queued (the alerts lane's task, run in this process);
+    returns the alerts queued."""
+    queued: list[int] = []
+
+    def send(alert_id: int) -> None:
+        queued.append(alert_id)
+        budget_alert_email(alert_id=alert_id)
+
+    monkeypatch.setattr("billing.queue.budget_alert_email_enqueue", send)
+    return queued
+
+
+def _crossing(budget, threshold: int, end_user: str = "", spent: int = 800000) -> str:
+    subject = f"u:{budgets.user_subject(end_user)}" if end_user else "t:-"
+    key = budgets.counter_key(budget.tenant_id, subject, "2026-11-27")
+    return f"{budget.pk}|{key}|{threshold}|{spent}|40|1|{end_user}"
+
+
+def test_an_end_user_named_to_break_headers_gets_a_safe_email_and_nobody_else_one(
+        redis_client, django_capture_on_commit_callbacks, monkeypatch):
+    acme = tenant_factory()
+    member_factory(acme, "owner", email="owner@acme.test")
+    budget = budget_create(tenant=acme, actor=SYSTEM, scope="user", window="day",
+                           spend_limit=Decimal("1.00"))
+    emails_now(monkeypatch)
+    hostile = "eve\r\nBcc: everyone@example.test\r\n\r\nhello"
+    redis_client.sadd(budgets.alerts_key(acme.pk), _crossing(budget, 80, hostile))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert budget_alerts_collect() == 1
+    [sent] = mail.outbox
+    assert "\n" not in sent.subject and "\r" not in sent.subject
+    assert "eve Bcc: everyone@example.test hello" in sent.subject
+    assert sent.to == ["owner@acme.test"] and sent.bcc == []
+    assert BudgetAlert.objects.get().emailed_to == 1
+
+
+def test_one_tenants_malformed_or_failing_alerts_never_stop_anothers(
+        redis_client, django_capture_on_commit_callbacks, monkeypatch):
+    acme, globex = tenant_factory(), tenant_factory()
+    member_factory(globex, "owner", email="owner@globex.test")
+    theirs = budget_create(tenant=acme, actor=SYSTEM, scope="tenant", window="day",
+                           spend_limit=Decimal("1.00"))
+    ours = budget_create(tenant=globex, actor=SYSTEM, scope="tenant", window="day",
+                         spend_limit=Decimal("1.00"))
+    emails_now(monkeypatch)
+    # Malformed entries (a spend that is no number, a key with no window) are dropped.
+    redis_client.sadd(budgets.alerts_key(acme.pk), f"{theirs.pk}|k|80|lots|40|1|",
+                      f"{theirs.pk}|nowindow|80|1|40|1|")
+    redis_client.sadd(budgets.alerts_key(globex.pk), _crossing(ours, 50))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert budget_alerts_collect() == 1
+    assert [a.tenant_id for a in BudgetAlert.objects.all()] == [globex.pk]
+    assert [m.to for m in mail.outbox] == [["owner@globex.test"]]
+    assert redis_client.scard(budgets.alerts_key(acme.pk)) == 0
+
+    # A tenant whose alerts fail to record (its database rows refused) is passed over.
+    real = budgets_service._alert_record
+
+    def failing(tenant_id, entry):
+        if tenant_id == acme.pk:
+            raise RuntimeError("acme's row cannot be written")
+        return real(tenant_id, entry)
+
+    monkeypatch.setattr(budgets_service, "_alert_record", failing)
+    redis_client.sadd(budgets.alerts_key(acme.pk), _crossing(theirs, 80))
+    redis_client.sadd(budgets.alerts_key(globex.pk), _crossing(ours, 80))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert budget_alerts_collect() == 1
+    assert BudgetAlert.objects.filter(tenant=globex).count() == 2
+    assert redis_client.scard(budgets.alerts_key(acme.pk)) == 1  # kept for a later pass
+
+
+def test_a_flood_of_one_tenants_alerts_waits_its_turn_and_emails_a_few(
+        redis_client, django_capture_on_commit_callbacks, monkeypatch, settings):
+    settings.ATRIUM_ALERTS_PER_TENANT_PASS = 20
+    settings.ATRIUM_ALERT_EMAILS_PER_WINDOW = 3
+    flood, quiet = tenant_factory(), tenant_factory()
+    member_factory(flood, "owner", email="owner@flood.test")
+    member_factory(quiet, "owner", email="owner@quiet.test")
+    each_user = budget_create(tenant=flood, actor=SYSTEM, scope="user", window="day",
+                              spend_limit=Decimal("0.01"))
+    theirs = budget_create(tenant=quiet, actor=SYSTEM, scope="tenant", window="day",
+                           spend_limit=Decimal("1.00"))
+    emailed = emails_now(monkeypatch)
+    redis_client.sadd(budgets.alerts_key(flood.pk),
+                      *(_crossing(each_user, 100, f"user-{i}") for i in range(60)))
+    redis_client.sadd(budgets.alerts_key(quiet.pk), _crossing(theirs, 100))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert budget_alerts_collect() == 21
+    assert BudgetAlert.objects.filter(tenant=quiet).count() == 1
+    assert BudgetAlert.objects.filter(tenant=flood).count() == 20
+    assert redis_client.scard(budgets.alerts_key(flood.pk)) == 40
+    with django_capture_on_commit_callbacks(execute=True):
+        while budget_alerts_collect():
+            pass
+    assert BudgetAlert.objects.filter(tenant=flood).count() == 60
+    # Every end user's crossing is recorded; three of them are emailed, the quiet one's too.
+    assert len(emailed) == 4
+    assert sorted(m.to[0] for m in mail.outbox) == ["owner@flood.test"] * 3 + \
+        ["owner@quiet.test"]
 
 
 def test_the_hot_paths_price_is_the_ledgers_to_the_micro_unit(redis_client):

@@ -157,6 +157,26 @@ def test_a_tenant_has_at_most_three_exports_being_built(acme):
     assert Export.objects.count() == 3
 
 
+def test_a_tenants_exports_are_built_one_at_a_time_while_others_build_beside(
+        acme, redis_client, settings):
+    from core import lanes
+
+    settings.ATRIUM_EXPORTS_PER_TENANT = 1
+    _first, queued = (services.export_create(tenant=acme, actor=SYSTEM, kind="ledger",
+                                             format="csv", start=MARCH[0], end=MARCH[1])
+                      for _ in range(2))
+    other = tenant_factory("globex")
+    theirs = services.export_create(tenant=other, actor=SYSTEM, kind="ledger", format="csv",
+                                    start=MARCH[0], end=MARCH[1])
+    with lanes.tenant_slot("exports", acme.pk, cap=1, lease_s=60):  # acme's first build
+        with pytest.raises(lanes.TenantBusy):
+            services.export_build(export_id=queued.pk)
+        assert services.export_build(export_id=theirs.pk).status == Export.Status.SUCCEEDED
+    queued.refresh_from_db()
+    assert (queued.status, queued.attempts) == (Export.Status.PENDING, 0)  # untouched
+    assert services.export_build(export_id=queued.pk).status == Export.Status.SUCCEEDED
+
+
 def test_downloads_stream_the_file_and_refuse_what_is_not_ready(acme):
     client = APIClient()
     client.force_login(member_factory(acme, Role.BILLING))
@@ -193,17 +213,6 @@ def test_bad_export_requests_are_400_in_the_openai_shape(acme, body, param):
     assert r.status_code == 400, r.content
     assert r.json()["error"]["param"] == param
     assert not Export.objects.exists()
-
-
-@pytest.fixture
-def celery_worker(transactional_db, redis_client):
-    from celery.contrib.testing.worker import start_worker
-
-    from atrium.celery import app
-
-    app.loader.import_default_modules()
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-        yield
 
 
 def test_an_export_asked_for_by_api_is_built_by_the_worker_and_downloaded(

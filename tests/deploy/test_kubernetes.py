@@ -2,10 +2,12 @@
 kubernetes-validate's strict schema check, and the objects agree with each other and with
 the code: Services and budgets select the pods they mean, probes hit paths the processes
 serve, every variable set is one the code reads, every secret or config key is documented,
-and pods run as the security rules below say (docs/deploy.md)."""
+pods run as the security rules below say, and the workers serve exactly the lanes
+platform/atrium/lanes.py defines (docs/deploy.md)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from atrium.lanes import ALL_QUEUES, LANES
 from engine import protocol
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +80,13 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 def test_each_overlay_builds_every_part(overlay):
     kinds = {(o["kind"], o["metadata"]["name"]) for o in build(overlay)}
     for part in [("Deployment", "atrium-web"), ("Deployment", "atrium-engine"),
-                 ("Deployment", "atrium-worker"), ("Deployment", "atrium-beat"),
+                 ("Deployment", "atrium-worker"), ("Deployment", "atrium-worker-outbound"),
+                 ("Deployment", "atrium-worker-jobs"), ("Deployment", "atrium-worker-batches"),
+                 ("PodDisruptionBudget", "atrium-worker"),
+                 ("PodDisruptionBudget", "atrium-worker-outbound"),
+                 ("PodDisruptionBudget", "atrium-worker-jobs"),
+                 ("PodDisruptionBudget", "atrium-worker-batches"),
+                 ("Service", "atrium-worker"), ("Deployment", "atrium-beat"),
                  ("Job", "atrium-migrate"), ("Service", "atrium-web"),
                  ("Ingress", "atrium"), ("HorizontalPodAutoscaler", "atrium-web"),
                  ("PodDisruptionBudget", "atrium-web"), ("NetworkPolicy", "atrium-engine"),
@@ -284,6 +293,105 @@ def test_web_outlasts_its_streams_and_beat_never_runs_twice():
     assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= \
         float(config("prod")["ATRIUM_REQUEST_TIMEOUT_S"])
     assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"  # SSE
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_workers_serve_exactly_the_lanes(overlay):
+    """One Deployment per lane of platform/atrium/lanes.py, named for it, serving its
+    queues and nothing else, with its pool, labelled with it (selector included, so no
+    two Deployments claim each other's pods), beat left to atrium-beat, and a
+    PodDisruptionBudget of its own."""
+    served: dict[str, str] = {}
+    queues: list[str] = []
+    budgets = of_kind(overlay, "PodDisruptionBudget")
+    for deployment in of_kind(overlay, "Deployment"):
+        name, template = deployment["metadata"]["name"], deployment["spec"]["template"]
+        commands = [c.get("command", []) for c in template["spec"]["containers"]]
+        workers = [c for c in commands if c[:2] == ["atrium", "worker"]]
+        if not workers:
+            assert template["metadata"]["labels"].get("app.kubernetes.io/component") \
+                != "worker", name
+            continue
+        [command] = workers
+        assert command[2] == "--no-beat" and command.count("--lane") == 1, (name, command)
+        lane = command[command.index("--lane") + 1]
+        assert lane in LANES, (name, lane)
+        assert lane not in served, f"lane {lane}: {served[lane]} and {name}"
+        served[lane] = name
+        assert name == ("atrium-worker" if lane == "core" else f"atrium-worker-{lane}")
+        flags = dict(zip(command[3::2], command[4::2], strict=True))
+        these = flags["--queues"].split(",") if "--queues" in flags else LANES[lane].queues
+        assert sorted(these) == sorted(LANES[lane].queues), (name, these)
+        queues += these
+        assert flags.get("--pool", LANES[lane].pool) == LANES[lane].pool, name
+        labels = {"app.kubernetes.io/component": "worker", "atrium.dev/lane": lane}
+        assert selects(labels, template["metadata"]["labels"]), name
+        assert selects(labels, deployment["spec"]["selector"]["matchLabels"]), name
+        [budget] = [b for b in budgets if selects(b["spec"]["selector"]["matchLabels"],
+                                                  template["metadata"]["labels"])]
+        assert budget["metadata"]["name"] == name
+    assert sorted(served) == sorted(LANES)
+    assert sorted(queues) == sorted(ALL_QUEUES)  # each queue served, by one lane alone
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_lane_gets_the_overlays_worker_patches(overlay):
+    # The overlay patches name Deployments by pattern: the lanes' workers must match it.
+    workers = [t["spec"] for n, t in pod_templates(overlay) if n.startswith("atrium-worker")]
+    assert len(workers) == len(LANES)
+    for spec in workers:
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        if overlay == "prod":
+            assert len(spec["topologySpreadConstraints"]) == 2
+            assert all("atrium.dev/lane" in c["matchLabelKeys"]
+                       for c in spec["topologySpreadConstraints"])
+        else:  # the demo model, built in the pod: no models volume in development
+            assert volumes["models"] == {"name": "models", "emptyDir": {}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_refer_only_to_objects_the_overlay_builds(overlay):
+    """kustomize renames what is in its own build alone: a lane's worker built with a name
+    suffix still names the ConfigMap, the Secret, the PVCs and the ServiceAccount as
+    the overlay builds them (the prod Secret is created beforehand, by the operator)."""
+    built = {(o["kind"], o["metadata"]["name"]) for o in build(overlay)}
+    if overlay == "prod":
+        built.add(("Secret", "atrium-secrets"))
+    for name, template in pod_templates(overlay):
+        spec = template["spec"]
+        wanted = {("ServiceAccount", spec["serviceAccountName"])} \
+            if "serviceAccountName" in spec else set()
+        wanted |= {("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])
+                   for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+        for container in spec["containers"]:
+            wanted |= {("ConfigMap", e["configMapRef"]["name"])
+                       for e in container.get("envFrom", []) if "configMapRef" in e}
+            wanted |= {("Secret", e["secretRef"]["name"])
+                       for e in container.get("envFrom", []) if "secretRef" in e}
+            wanted |= {("Secret", e["valueFrom"]["secretKeyRef"]["name"])
+                       for e in container.get("env", [])
+                       if "secretKeyRef" in e.get("valueFrom", {})}
+        assert wanted <= built, (name, sorted(wanted - built))
+
+
+def test_an_overlay_naming_atrium_worker_changes_the_core_lane_alone(tmp_path):
+    # kustomize matches replicas entries and patch targets against earlier names too: no
+    # lane's worker may ever have been called atrium-worker (base/workers/kustomization).
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZE / "base", tmp_path)],
+        "replicas": [{"name": "atrium-worker", "count": 7}],
+        "patches": [{"target": {"kind": "Deployment", "name": "atrium-worker"},
+                     "patch": '[{"op": "add", "path": "/metadata/annotations", '
+                              '"value": {"touched": "yes"}}]'}]}))
+    out = subprocess.run([shutil.which("kubectl") or "kubectl", "kustomize", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    touched = {d["metadata"]["name"]: (d["spec"]["replicas"], d["metadata"].get(
+        "annotations", {}).get("touched")) for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "Deployment" and d["metadata"]["name"].startswith("atrium-worker")}
+    assert touched.pop("atrium-worker") == (7, "yes")
+    assert len(touched) == len(LANES) - 1
+    assert all(count != 7 and not mark for count, mark in touched.values()), touched
 
 
 def _ingress_from(policy: dict[str, Any]) -> list[dict[str, Any]]:

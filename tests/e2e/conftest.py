@@ -224,6 +224,23 @@ def atrium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             cleanup()
 
 
+def processes_of(root_pid: int, *words: bytes) -> list[int]:
+    """The processes `atrium up` (process ``root_pid``, which leads its session) started
+    whose command line holds every one of ``words`` as an argument."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            session = os.getsid(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+        if session == os.getsid(root_pid) and all(w in cmdline for w in words):
+            found.append(int(entry.name))
+    return found
+
+
 def wait_for(predicate, *, timeout: float, interval: float = 0.5, what: str = "condition"):
     """Polls ``predicate`` until it returns something truthy; returns that."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,8 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
+
+from tests.e2e.conftest import processes_of
 
 LINES = 40
 
@@ -24,18 +25,7 @@ def _batch_file(model: str) -> bytes:
 
 def _batch_workers(root_pid: int) -> list[int]:
     """The processes of `atrium up`'s batches worker (its main process and its pool)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            session = os.getsid(int(entry.name))
-        except (OSError, ProcessLookupError):
-            continue
-        if session == root_pid and b"worker" in cmdline and b"batches" in cmdline:
-            found.append(int(entry.name))
-    return found
+    return processes_of(root_pid, b"worker", b"batches")
 
 
 def _wait(predicate, timeout: float, what: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from tests.live import redis_client, served_model  # noqa: F401
+from tests.live import database_url, free_port, redis_client, served_model  # noqa: F401
 
 ENGINES = ("fleet-a", "fleet-b", "fleet-c")
 WEBS = 2
@@ -28,21 +27,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.fleet)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _database_url() -> str:
-    from django.db import connection
-
-    db = connection.settings_dict
-    if connection.vendor == "postgresql":
-        return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
-    return f"sqlite:///{db['NAME']}"
 
 
 @dataclass
@@ -75,7 +59,7 @@ def _ready(url: str) -> bool:
 def fleet(transactional_db, served_model, tiny_model_path, redis_client, tmp_path,  # noqa: F811
           ) -> Iterator[Fleet]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
-           "DJANGO_SETTINGS_MODULE": "atrium.settings", "DATABASE_URL": _database_url(),
+           "DJANGO_SETTINGS_MODULE": "atrium.settings", "DATABASE_URL": database_url(),
            "REDIS_URL": settings.REDIS_URL, "ATRIUM_HOME": str(tmp_path),
            "ATRIUM_MODEL": str(tiny_model_path), "ATRIUM_MODEL_NAME": served_model}
     cli = [sys.executable, "-m", "atrium.cli"]
@@ -90,7 +74,7 @@ def fleet(transactional_db, served_model, tiny_model_path, redis_client, tmp_pat
                  "--drain-seconds", "60"],
                 **{**quiet, "stderr": log})
         for _ in range(WEBS):
-            port = _free_port()
+            port = free_port()
             running.others.append(subprocess.Popen(
                 [*cli, "web", "--host", "127.0.0.1", "--port", str(port)], **quiet))
             running.webs.append(f"http://127.0.0.1:{port}")

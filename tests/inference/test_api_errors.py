@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -92,6 +93,20 @@ def test_missing_or_wrong_typed_field_is_400(api_server, tenant_key, redis_clien
     assert r.status_code == 400
     assert r.json()["error"]["param"] == param
     _assert_nothing_queued(redis_client, "tiny-llama")
+
+
+@pytest.mark.parametrize("user", ["\ud800", "a\nb", "x" * 257, "\x00", 7])
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_a_hostile_end_user_is_a_400_naming_user_before_any_budget_reads_it(
+        api_server, tenant_key, redis_client, user, path):
+    body = _chat("tiny-llama", user=user) if path == CHAT else \
+        {"model": "tiny-llama", "prompt": "hi", "user": user}
+    # NOTE: json.dumps escapes a lone surrogate as \\ud800, as a client's JSON may hold it.
+    r = _post(api_server, path, tenant_key.key, content=json.dumps(body),
+              headers={"Content-Type": "application/json"})
+    _assert_error(r, 400, "invalid_type" if user == 7 else "invalid_value", "user")
+    _assert_nothing_queued(redis_client, "tiny-llama")
+    assert list(redis_client.scan_iter(match="atrium:budget:*")) == []
 
 
 def test_unknown_model_is_404(api_server, tenant_key, engine_worker, redis_client):

@@ -14,6 +14,7 @@ import sys
 import time
 from decimal import Decimal
 
+import httpx
 import openai
 import pytest
 from django.conf import settings
@@ -154,6 +155,13 @@ def test_bad_batches_are_refused(api_server, served_model):
     for case in cases:
         with pytest.raises((openai.BadRequestError, openai.NotFoundError)):
             client.batches.create(**case)
+    for bad in ({"run": "\x00"}, {"\ud800": "x"}, {"run": "a\udfffb"}):  # no database's text
+        # NOTE: json.dumps escapes a lone surrogate, as a client's JSON may hold it.
+        refused = httpx.post(f"{api_server}/v1/batches", content=json.dumps({
+            "input_file_id": source.id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h", "metadata": bad}), headers={
+            "Authorization": f"Bearer {acme.key}", "Content-Type": "application/json"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
     assert Batch.objects.count() == 0
 
 
@@ -264,6 +272,7 @@ def test_a_batch_left_finalizing_by_a_dead_runner_is_finished_by_the_next(api_se
                                  purpose="batch")
     batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
+    batch_services.batch_expand(batch_id=batch.id)  # its runner made the lines, ran them,
     line = BatchLine.objects.get(batch_id=batch.id)
     batch_services.line_record(line_id=line.pk, ok=True, status_code=200,
                                response={"id": "chatcmpl-x", "object": "chat.completion"},

@@ -18,9 +18,10 @@ from tests.inference.admission_worker import admit_many
 TENANT, KEY = 41, 9
 
 
-def who(key_id: int = KEY) -> Principal:
+def who(key_id: int = KEY, scopes: tuple[str, ...] = ("inference", "billing")) -> Principal:
+    """A key that may read budgets (the billing scope) unless ``scopes`` say otherwise."""
     return Principal(tenant_id=TENANT, tenant_slug="acme", api_key_id=key_id,
-                     api_key_prefix=f"atr_k{key_id}",
+                     api_key_prefix=f"atr_k{key_id}", scopes=scopes,
                      tenant_limits=Limits(requests_per_minute=100_000))
 
 
@@ -35,8 +36,10 @@ _ids = iter(range(10**9))
 
 
 async def admit(client, *, micros: int, tokens: int = 10, user: str | None = None,
-                key_id: int = KEY, lease_s: float = 60) -> quota.Admission:
-    return await quota.admit(client, principal=who(key_id), request_id=f"r{next(_ids)}",
+                key_id: int = KEY, lease_s: float = 60,
+                principal: Principal | None = None) -> quota.Admission:
+    return await quota.admit(client, principal=principal or who(key_id),
+                             request_id=f"r{next(_ids)}",
                              prompt_tokens=tokens, max_tokens=0, lease_s=lease_s,
                              cost_micros=micros, end_user=user)
 
@@ -85,6 +88,25 @@ def test_settling_replaces_the_reservation_with_the_cost_once(run, redis_client)
     state = window(redis_client, "t:-", "month")
     assert (state["s"], state["t"], state["rs"], state["rt"]) == (1200, 30, 0, 0)
     assert not any(f.startswith("h:") for f in state)
+
+
+def test_a_key_that_may_not_read_budgets_learns_no_figures_from_its_answers(
+        run, redis_client):
+    define(redis_client, **{"k__9__day": (1000, None)})
+    inference_only = who(scopes=("inference",))
+
+    async def scenario(client):
+        admitted = await admit(client, micros=600, principal=inference_only)
+        with pytest.raises(QuotaExceeded) as refused:
+            await admit(client, micros=600, principal=inference_only)
+        return admitted, refused.value
+
+    admitted, refused = run(scenario)
+    assert not [h for h in admitted.headers() if h.startswith("x-budget-")]
+    assert not [h for h in refused.headers if h.startswith("x-budget-")]
+    assert "daily spend budget of API key atr_k9" in refused.message
+    assert "0.0006" not in refused.message and "0.001" not in refused.message
+    assert refused.headers["x-should-retry"] == "false"
 
 
 def test_a_token_budget_counts_prompt_and_completion(run, redis_client):
@@ -170,7 +192,7 @@ def test_thresholds_are_alerted_once_each_as_spend_settles(run, redis_client):
             await admit(client, micros=100)
 
     run(scenario)
-    entries = budgets.alerts_pending(redis_client, TENANT)
+    entries = budgets.alerts_pending(redis_client, TENANT, limit=100)
     reached = sorted(int(e.split("|")[2]) for e in entries)
     assert reached == [50, 80, 100]
     spent_at = {int(e.split("|")[2]): int(e.split("|")[3]) for e in entries}

@@ -16,7 +16,7 @@ from billing.money import micros
 from billing.services import budget_create, price_create
 from tenants.access import SYSTEM
 from tests.inference.test_rate_limits import _up, _web_process, make_caller, wait_for
-from tests.live import _free_port, start_engine
+from tests.live import free_port, start_engine
 
 REQUESTS = 200
 PROMPT = list(range(10, 20))  # 10 prompt tokens
@@ -34,7 +34,7 @@ def test_two_web_processes_never_spend_past_a_budget(transactional_db, served_mo
     budget_create(tenant=caller.tenant, actor=SYSTEM, scope="key", window="day",
                   api_key_id=caller.key_id, spend_limit=BUDGET)
     engine = start_engine(tiny_model_path, served_model, "budget-engine")
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     servers = [_web_process(port, tiny_model_path) for port in ports]
 
     def one(i: int) -> tuple[int, str]:

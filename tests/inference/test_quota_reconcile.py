@@ -52,3 +52,24 @@ def test_a_counter_above_the_ledger_holds_reservations_and_is_left_alone(redis_c
     redis_client.set(quota.quota_key(acme.pk, f"tokens:{month}"), 5000)  # in flight
     assert quota_reconcile() == 0
     assert _counter(redis_client, acme.pk) == 5000
+
+
+@pytest.mark.django_db
+def test_a_rotated_keys_usage_counts_with_the_key_it_was_rotated_from(redis_client):
+    from tenants.services import api_key_rotate
+    from tests.factories import key_factory
+
+    now = datetime.now(UTC)
+    prices(at=datetime(now.year, now.month, 1, tzinfo=UTC))
+    acme = tenant_factory()
+    old = key_factory(acme)
+    new, _ = api_key_rotate(tenant=acme, key_id=old.id, grace_seconds=60)
+    usage_records_ingest(events=[
+        event(acme, at=now, prompt_tokens=100, cached_tokens=0, completion_tokens=20,
+              api_key_id=old.id),
+        event(acme, at=now, prompt_tokens=30, cached_tokens=0, completion_tokens=5,
+              api_key_id=new.id)])
+    redis_client.flushdb()
+    quota_reconcile()
+    assert _counter(redis_client, acme.pk, old.id) == 155  # the lineage's counter
+    assert _counter(redis_client, acme.pk, new.id) == 0

@@ -20,7 +20,7 @@ from engine import protocol
 from inference import admission as quota
 from tests.factories import key_factory, plan_factory, tenant_factory
 from tests.inference.slow_engine import slow_factory
-from tests.live import _free_port, queued_requests, start_engine
+from tests.live import free_port, queued_requests, start_engine
 
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-limit-tokens",
                 "x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens",
@@ -398,7 +398,7 @@ def _web_process(port: int, model_dir) -> subprocess.Popen:
 def test_web_processes_share_one_set_of_limits(transactional_db, served_model, tiny_model_path,
                                                redis_client):
     caller = make_caller(requests_per_minute=10)
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     servers = [_web_process(port, tiny_model_path) for port in ports]
     try:
         for port in ports:

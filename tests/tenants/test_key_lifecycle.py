@@ -196,6 +196,19 @@ def test_rotation_keeps_the_old_key_for_the_grace_period_only():
     assert isinstance(lookup(plaintext), Principal)
 
 
+def test_rotations_keep_the_first_keys_lineage_for_budgets_and_key_counters():
+    tenant = tenant_factory()
+    first = key_factory(tenant)
+    second, second_text = api_key_rotate(tenant=tenant, key_id=first.id, grace_seconds=60)
+    third, third_text = api_key_rotate(tenant=tenant, key_id=second.id, grace_seconds=60)
+    assert (second.lineage_id, third.lineage_id) == (first.id, first.id)
+    assert lookup(first.plaintext).key_lineage == first.id
+    assert lookup(second_text).key_lineage == first.id
+    assert lookup(third_text).key_lineage == first.id
+    other = key_factory(tenant)
+    assert lookup(other.plaintext).key_lineage == other.id
+
+
 def test_a_rotated_key_is_cached_no_longer_than_its_grace_period():
     from core.redis import sync_client
 

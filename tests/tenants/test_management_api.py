@@ -414,6 +414,31 @@ def test_operators_create_tenants_set_plans_and_override_quotas(world):
                                  format="json").json()["name"] == "Charlie Ltd"
 
 
+def test_operators_set_what_a_plans_tenants_may_keep(world):
+    from django.conf import settings
+
+    from batches.services.limits import tenant_limit
+    from tenants.models import Plan, Tenant
+
+    client = _session(user_factory(is_staff=True))
+    r = client.post("/api/v1/plans", {"slug": "lean", "name": "Lean", "priority": 5,
+                                      "requests_per_minute": 10, "tokens_per_minute": 500,
+                                      "max_concurrent_requests": 2, "max_files": 3,
+                                      "max_active_batches": 1}, format="json")
+    assert r.status_code == 201, r.content
+    assert (r.json()["max_files"], r.json()["max_file_bytes"]) == (3, None)
+    r = client.patch("/api/v1/plans/lean", {"max_file_bytes": 10**6, "max_files": None},
+                     format="json")
+    assert (r.json()["max_files"], r.json()["max_file_bytes"]) == (None, 10**6)
+    _assert_error(client.patch("/api/v1/plans/lean", {"max_active_batches": 0},
+                               format="json"), 400)
+    Tenant.objects.filter(pk=world.a.pk).update(plan=Plan.objects.get(slug="lean"))
+    tenant = Tenant.objects.get(pk=world.a.pk)
+    assert [tenant_limit(tenant=tenant, name=n) for n in
+            ("max_files", "max_file_bytes", "max_active_batches")] == [
+        settings.ATRIUM_TENANT_MAX_FILES, 10**6, 1]
+
+
 def test_limits_past_what_the_columns_hold_and_nested_json_are_400s(world):
     from tenants.models import Plan
 

@@ -14,6 +14,7 @@ import pytest
 from tests.live import (  # noqa: F401
     adapter_store,
     api_server,
+    celery_worker,
     redis_client,
     served_model,
 )

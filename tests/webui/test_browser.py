@@ -185,17 +185,6 @@ def adapter_zip(tiny_model_path, tmp_path_factory) -> Path:
     return target
 
 
-@pytest.fixture
-def celery_worker(transactional_db, redis_client):  # noqa: F811
-    from celery.contrib.testing.worker import start_worker
-
-    from atrium.celery import app
-
-    app.loader.import_default_modules()
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-        yield
-
-
 def test_an_uploaded_adapter_shows_progress_then_becomes_ready_live(
         new_page, world, adapter_store, celery_worker, adapter_zip):
     page = new_page()

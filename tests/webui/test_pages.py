@@ -311,10 +311,10 @@ def test_pages_with_live_counters_say_so_when_redis_is_unreachable(world, monkey
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from tests.live import _free_port
+    from tests.live import free_port
     from webui import selectors
 
-    dead = redis.Redis(port=_free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     monkeypatch.setattr(selectors, "sync_client", lambda: dead)
     quotas = _client(world.people["viewer"]).get(reverse("webui:quotas", kwargs={"slug": "acme"}))
     fleet = _client(world.staff).get(reverse("webui:op-fleet"))
