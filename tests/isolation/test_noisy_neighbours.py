@@ -1,0 +1,131 @@
+"""No tenant can stall what tenants share: a hostile tenant abuses the background paths and
+the web process while a quiet tenant's first tokens, its usage reaching the ledger and its
+budget alerts are measured, under the real `atrium up` (issue: background work bounded
+and isolated; bench/isolation.py measures the same abuses one by one).
+
+The bounds below are behaviours, with room for a busy two-core machine: before the lanes,
+a trickling webhook kept the quiet tenant's usage out of the ledger for 30 s and more, and
+two large uploads raised its time to first token by 1.7 to 2.8 s.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.e2e.conftest import wait_for
+from tests.isolation.neighbours import (
+    Quiet,
+    QuietAlerts,
+    hostile_users,
+    huge_uploads,
+    many_batches,
+    percentile,
+    quick_schema,
+    rss_mb,
+    rss_peak,
+    slow_schemas,
+    trickling_webhooks_and_alert_flood,
+    web_pid,
+)
+
+LEDGER_LAG_MAX_S = 10.0  # the goal is 5 s (bench/isolation.py); idle it is about 2 s
+ALERT_MAX_S = 30.0  # the collector runs every 10 s, then the webhooks lane delivers
+TTFT_ADDED_MAX_S = 0.5  # over the quiet tenant's idle p99
+SCHEMA_ADDED_MAX_S = 1.5  # a structured request: its compile shares two cores with one
+CATEGORIES = {"timeout", "refused", "protocol", "unreachable", "dns", "tls", "http_status"}
+
+
+def _idle_p99(quiet, model: str, seconds: float = 5) -> float:
+    with Quiet(quiet, model) as probe:
+        time.sleep(seconds)
+    assert probe.failures == [], probe.failures
+    return percentile(probe.ttfts, 99)
+
+
+def test_a_trickling_webhook_and_an_alert_flood_leave_the_quiet_tenants_bill_and_alerts(
+        platform, quiet, hostile):
+    alerts = QuietAlerts(quiet, platform.model)
+    try:
+        with trickling_webhooks_and_alert_flood(hostile, platform.model) as hooks:
+            wait_for(lambda: hooks.connections >= 2, timeout=60,
+                     what="deliveries to the trickling endpoint")
+            with Quiet(quiet, platform.model) as probe:
+                time.sleep(8)
+                alert_s = alerts.probe()
+        assert probe.failures == [], probe.failures
+        summary = probe.summary()
+        assert summary["requests"] >= 10, summary
+        assert summary["ledger_lag_max_s"] <= LEDGER_LAG_MAX_S, summary
+        assert alert_s <= ALERT_MAX_S
+    finally:
+        alerts.close()
+    # The hostile tenant's deliveries to the trickling endpoint were cut at the deadline
+    # (and, once it was gone, refused); what it is told is a category, never more.
+    endpoints = hostile.rest("GET", "/webhooks").json()["data"]
+    logged = [d for endpoint in endpoints for d in hostile.rest(
+        "GET", f"/webhooks/{endpoint['id']}/deliveries").json()["data"]]
+    errors = {d["last_error"] for d in logged if d["last_error"]}
+    assert "timeout: no complete answer within 5 s" in errors, errors
+    assert all(e.split(":")[0] in CATEGORIES for e in errors), errors
+
+
+def test_huge_uploads_keep_the_web_process_flat_and_the_quiet_tenants_tokens_prompt(
+        platform, quiet, hostile):
+    pid = web_pid(platform.proc.pid)
+    idle_p99 = _idle_p99(quiet, platform.model)
+    idle_rss = rss_mb(pid)
+    with rss_peak(pid) as peak, huge_uploads(hostile, platform.model, megabytes=100,
+                                             count=2) as statuses:
+        with Quiet(quiet, platform.model) as probe:
+            wait_for(lambda: len(statuses) >= 2, timeout=300, interval=0.5,
+                     what="two 100 MB uploads")
+    assert statuses[:2] == [200, 200], statuses
+    assert peak[0] - idle_rss < 100, (idle_rss, peak)
+    assert probe.failures == [], probe.failures
+    assert percentile(probe.ttfts, 99) <= idle_p99 + TTFT_ADDED_MAX_S, (
+        idle_p99, probe.summary())
+
+
+def test_batches_with_failing_lines_and_hostile_users_never_reach_the_quiet_tenant(
+        platform, quiet, hostile):
+    idle_p99 = _idle_p99(quiet, platform.model)
+    with many_batches(hostile, platform.model, batches=6, lines=6) as (made, refused), \
+            hostile_users(hostile, platform.model) as user_statuses:
+        with Quiet(quiet, platform.model) as probe:
+            time.sleep(8)
+    assert probe.failures == [], probe.failures
+    assert percentile(probe.ttfts, 99) <= idle_p99 + TTFT_ADDED_MAX_S, (
+        idle_p99, probe.summary())
+    assert user_statuses and set(user_statuses) == {400}, set(user_statuses)
+    # The tenant's active batches are capped (ATRIUM_TENANT_MAX_ACTIVE_BATCHES here: 3).
+    assert len(made) == 3 and set(refused) == {429}, (len(made), refused)
+    with hostile.api() as client:
+        def ended() -> list[dict]:
+            states = [client.get(f"/v1/batches/{b['id']}").json() for b in made]
+            return states if all(s["status"] in ("completed", "cancelled")
+                                 for s in states) else []
+
+        states = wait_for(ended, timeout=120, what="the hostile batches to end")
+    counts = [s["request_counts"] for s in states]
+    # Lines that fail are the lines' own answers: no batch failed for them.
+    assert all(s["status"] != "failed" for s in states)
+    assert any(c["failed"] > 0 for c in counts), counts
+
+
+def test_schemas_slow_to_compile_hold_only_their_own_tenants_structured_requests(
+        platform, quiet, hostile):
+    def structured(offset: int):
+        return lambda n: quick_schema(offset + n)
+
+    with Quiet(quiet, platform.model, response_format=structured(0)) as idle:
+        time.sleep(5)
+    with slow_schemas(hostile, platform.model) as schema_statuses:
+        time.sleep(3)  # the compile threads busy with the hostile tenant's schemas
+        with Quiet(quiet, platform.model, response_format=structured(10**6)) as probe:
+            time.sleep(8)
+    assert idle.failures == [] and probe.failures == [], (idle.failures, probe.failures)
+    idle_p99 = percentile(idle.ttfts, 99)
+    # A compile of the hostile tenant's takes seconds; the quiet tenant's waits for none.
+    assert percentile(probe.ttfts, 99) <= idle_p99 + SCHEMA_ADDED_MAX_S, (
+        idle_p99, probe.summary())
+    assert schema_statuses and set(schema_statuses) <= {0, 200}, set(schema_statuses)
