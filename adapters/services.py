@@ -241,18 +241,17 @@ def _set_status(adapter: Adapter, status: str, **fields) -> Adapter:
     return adapter
 
 
-# How long a dead worker's validation keeps its tenant's turn in the adapters lane.
+# How long a dead worker's validation keeps its tenant's turn in the jobs lane.
 VALIDATION_LEASE_S = 600
 
 
 def adapter_validate(*, adapter_id: int) -> Adapter:
     """Checks an uploaded adapter and makes it ready, or failed with a reason. Idempotent.
-    Raises lanes.TenantBusy while the tenant's share of the adapters lane is taken."""
+    Raises lanes.TenantBusy while the tenant's share of the jobs lane is taken."""
     adapter = Adapter.objects.select_related("upload").get(pk=adapter_id)
     if adapter.status in (AdapterStatus.READY, AdapterStatus.FAILED):
         return adapter
-    with lanes.tenant_slot("adapters", adapter.tenant_id,
-                           cap=settings.ATRIUM_ADAPTER_VALIDATIONS_PER_TENANT,
+    with lanes.tenant_slot(lanes.JOBS, adapter.tenant_id, cap=settings.ATRIUM_JOBS_PER_TENANT,
                            lease_s=VALIDATION_LEASE_S):
         return _validate(adapter)
 

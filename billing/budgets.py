@@ -200,14 +200,27 @@ return raised
 """
 
 
+RAISE_PIPELINE = 500  # script calls sent in one round trip
+
+
 def counters_raise(client: redis.Redis, figures: Mapping[str, tuple[int, int, int]]) -> int:
     """Raises each window (key → spend micros, tokens, its end in unix ms) to at least the
     ledger's figures; never lowers one. Returns how many values were raised. One call per
-    key: keys of different tenants live in different Cluster slots."""
-    script = client.register_script(_RAISE)
+    key (keys of different tenants live in different Cluster slots), pipelined: a tenant
+    with ten thousand end users costs twenty round trips, not ten thousand."""
+    items = [(key, [spend, tokens, end_ms + COUNTER_GRACE_MS])
+             for key, (spend, tokens, end_ms) in figures.items()]
+    if isinstance(client, redis.RedisCluster):
+        # NOTE: a cluster pipeline takes no scripts: one call per key.
+        script = client.register_script(_RAISE)
+        return sum(int(script(keys=[key], args=args)) for key, args in items)
+    sha = client.script_load(_RAISE)
     raised = 0
-    for key, (spend, tokens, end_ms) in figures.items():
-        raised += int(script(keys=[key], args=[spend, tokens, end_ms + COUNTER_GRACE_MS]))
+    for i in range(0, len(items), RAISE_PIPELINE):
+        pipe = client.pipeline(transaction=False)
+        for key, args in items[i:i + RAISE_PIPELINE]:
+            pipe.evalsha(sha, 1, key, *args)
+        raised += sum(int(n) for n in pipe.execute())
     return raised
 
 

@@ -21,6 +21,9 @@ from collections.abc import Iterator
 from core.redis import sync_client
 
 PREFIX = "atrium:lane"
+# The jobs lane's share (exports and adapter validations count together: the lane's few
+# processes are never all one tenant's).
+JOBS = "jobs"
 
 # Takes a slot when fewer than ARGV[1] unexpired ones are held; ARGV: cap, now (ms),
 # lapse (ms), member. Returns 1 when taken.

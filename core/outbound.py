@@ -97,7 +97,9 @@ _NOT_PUBLIC = tuple((ip_network(net), what) for net, what in (
 
 # NOTE: its own threads, not the event loop's default executor: asyncio.run waits for
 # that one on the way out, so a lookup that hangs would hold the caller past the deadline.
-_RESOLVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="outbound-resolve")
+# A hung lookup keeps its thread after its call gave up: more threads than the outbound
+# lane runs calls, so one tenant's hanging name server cannot take them all.
+_RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="outbound-resolve")
 
 
 class OutboundError(Exception):

@@ -254,7 +254,7 @@ def apply_grammars(logits: torch.Tensor, states: Sequence[GrammarState | None]) 
 class Grammars:
     """Compiles response formats for one model, off the caller's thread, and keeps the results.
 
-    NOTE: the cache is keyed by the spec alone because the tokenizer is fixed per instance:
+    NOTE: the cache is keyed by tenant and spec, not by tokenizer: it is fixed per instance:
     a compiled grammar embeds the vocabulary it was built for, so a second model needs its
     own ``Grammars``. ``hits`` counts submits answered by a cached or in-flight compile,
     ``misses`` the compiles started.
@@ -290,10 +290,13 @@ class Grammars:
         """A future of the compiled grammar, raising GrammarError if the spec is refused;
         compiled in ``tenant``'s turn.
 
-        Identical specs get the same future, whether it is done or still compiling.
+        A tenant's identical specs get the same future, whether it is done or still
+        compiling. NOTE: per tenant, as the prefix cache is: another tenant's compile, still
+        queued in that tenant's turn, would hold this one's request behind it (and a hit
+        would tell one tenant what another asked for).
         """
         try:
-            key = spec_key(spec)
+            key = f"{tenant}:{spec_key(spec)}"
         except (TypeError, ValueError) as error:
             failed: Future[xgr.CompiledGrammar] = Future()
             failed.set_exception(GrammarError(f"{PARAM}: not JSON: {error}"))

@@ -29,7 +29,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from batches import services as batch_services
@@ -216,8 +216,18 @@ class Runner:
 
     async def _record(self, line: BatchLine, ok: bool, status: int,
                       response: dict | None, error: dict | None) -> None:
-        await sync_to_async(batch_services.line_record)(
-            line_id=line.pk, ok=ok, status_code=status, response=response, error=error)
+        record = sync_to_async(batch_services.line_record)
+        try:
+            await record(line_id=line.pk, ok=ok, status_code=status, response=response,
+                         error=error)
+        except DatabaseError as exc:
+            # An answer the database cannot hold (a model can write U+0000, which
+            # PostgreSQL refuses in JSON): the line's own 500, never a runner that dies
+            # and a line run again for the batch's whole window.
+            log.exception("batch %s line %d: its answer could not be recorded",
+                          self.batch.id, line.index)
+            await record(line_id=line.pk, ok=False, status_code=500, response=None,
+                         error=_internal_error(exc))
 
 
 async def run_batch(batch_id: str) -> str:

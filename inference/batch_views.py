@@ -105,6 +105,11 @@ def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
     return view
 
 
+def _whole(text: str) -> bool:
+    """ASCII digits, few enough for int() (str.isdigit admits "²" and other digits)."""
+    return text.isascii() and text.isdigit() and len(text) <= 12
+
+
 def _ts(moment) -> int | None:
     return None if moment is None else int(moment.timestamp())
 
@@ -137,7 +142,7 @@ def _page(rows: QuerySet, request: HttpRequest, to_object: Callable[[Any], dict[
     """A list page in OpenAI's shape: up to ``limit`` of ``rows`` (ordered, after any
     ``after``), whether more follow, and the first and last ids."""
     raw = request.GET.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    if not _whole(raw) or not 1 <= int(raw) <= most:
         raise InvalidRequest(f"limit must be a whole number from 1 to {most}", param="limit",
                              code="invalid_value")
     limit = int(raw)
@@ -174,7 +179,7 @@ def _expires_after(form: Any) -> int | None:
         raise InvalidRequest("expires_after[anchor] must be created_at",
                              param="expires_after[anchor]", code="invalid_value")
     seconds = given["expires_after[seconds]"]
-    if not seconds.isdigit():  # its range is the service's to check
+    if not _whole(seconds):  # its range is the service's to check
         low, high = batch_services.EXPIRES_AFTER_S
         raise InvalidRequest(f"expires_after[seconds] must be a whole number from {low} to "
                              f"{high}", param="expires_after[seconds]", code="invalid_value")

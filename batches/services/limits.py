@@ -5,8 +5,8 @@ Holding limits (files, their bytes, active batches) are checked twice: once befo
 work, so a tenant at its limit costs nothing, and again where the row is written, in the
 same transaction, after ``tenant_lock``: concurrent uploads and batch creations of one
 tenant are then counted one after another, and none passes the limit. (On PostgreSQL the
-lock is the tenant's row, FOR UPDATE; SQLite's IMMEDIATE transactions serialize every
-writer anyway.)
+lock is the tenant's row, FOR NO KEY UPDATE; SQLite's IMMEDIATE transactions serialize
+every writer anyway.)
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ def tenant_limit(*, tenant: Tenant, name: str) -> int:
 
 
 def tenant_lock(*, tenant_id: int) -> None:
-    """Holds the tenant's row until the transaction ends (inside ``transaction.atomic``)."""
-    Tenant.objects.select_for_update().filter(pk=tenant_id).values_list("pk").first()
+    """Holds the tenant's row until the transaction ends (inside ``transaction.atomic``).
+    NOTE: FOR NO KEY UPDATE: it orders this tenant's claims and uploads, but leaves the rows
+    that refer to the tenant (its usage records, written by ingest) free to be inserted."""
+    Tenant.objects.select_for_update(no_key=True).filter(pk=tenant_id).values_list(
+        "pk").first()
 
 
 def files_room_check(*, tenant: Tenant, adding_bytes: int) -> None:

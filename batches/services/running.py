@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 from django.conf import settings
 from django.core.files.base import File as DjangoFile
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from batches import lines as batch_lines
@@ -267,14 +267,24 @@ def batch_finalize(*, batch_id: str) -> Batch:
 
 
 def batches_resume() -> int:
-    """Queues a runner for every active batch nobody holds (its runner died, its task was
-    lost, or its tenant had as many running as it may), oldest first; returns how many."""
-    ids = list(Batch.objects.filter(status__in=limits.ACTIVE)
-               .filter(_lease_free(timezone.now())).order_by("created_at")
-               .values_list("pk", flat=True)[:500])
-    for batch_id in ids:
-        batch_run_enqueue(batch_id=batch_id)
-    return len(ids)
+    """Queues a runner for each active batch nobody holds (its runner died, its task was
+    lost, or its tenant had as many running as it may), oldest first, but no more of a
+    tenant's than it may run beside those running now: a tenant with a hundred batches
+    waiting does not fill the queue every pass. Returns how many."""
+    now = timezone.now()
+    running = dict(Batch.objects.filter(status__in=limits.ACTIVE, runner_lease_until__gte=now)
+                   .values("tenant_id").annotate(n=Count("pk")).values_list("tenant_id", "n"))
+    room: dict[int, int] = {}
+    queued = 0
+    for batch_id, tenant_id in Batch.objects.filter(status__in=limits.ACTIVE).filter(
+            _lease_free(now)).order_by("created_at").values_list("pk", "tenant_id")[:500]:
+        left = room.setdefault(tenant_id, settings.ATRIUM_BATCH_TENANT_RUNNING
+                               - running.get(tenant_id, 0))
+        if left > 0:
+            room[tenant_id] = left - 1
+            batch_run_enqueue(batch_id=batch_id)
+            queued += 1
+    return queued
 
 
 def batches_waiting_enqueue(*, tenant_id: int) -> int:

@@ -154,6 +154,9 @@ def budgets_publish(*, tenant_ids: Iterable[int] | None = None) -> None:
     """Writes the tenants' (every tenant's with a budget when None) definitions to Redis."""
     rows = Budget.objects.all() if tenant_ids is None else \
         Budget.objects.filter(tenant_id__in=list(tenant_ids))
+    # NOTE: oldest first, so where two key budgets of one window name keys of one lineage
+    # (both made before rotations carried budgets), the newest one is the one enforced.
+    rows = rows.order_by("pk")
     definitions: dict[int, dict[str, budgets.Definition]] = \
         {t: {} for t in (tenant_ids or ())}
     rows = list(rows)

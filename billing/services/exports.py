@@ -51,11 +51,11 @@ def export_create(*, tenant, actor: Actor, kind: str, format: str, start: dateti
 def export_build(*, export_id: int) -> Export:
     """Builds the export's file in constant memory; a no-op once it succeeded. Safe to rerun
     after a worker died mid-build: it starts again and replaces the partial file. Raises
-    lanes.TenantBusy while the tenant's share of the exports lane is taken."""
+    lanes.TenantBusy while the tenant's share of the jobs lane is taken."""
     tenant_id = Export.objects.filter(pk=export_id).values_list("tenant_id", flat=True).first()
     if tenant_id is None:
         raise NotFound(f"no export {export_id}")
-    with lanes.tenant_slot("exports", tenant_id, cap=settings.ATRIUM_EXPORTS_PER_TENANT,
+    with lanes.tenant_slot(lanes.JOBS, tenant_id, cap=settings.ATRIUM_JOBS_PER_TENANT,
                            lease_s=settings.ATRIUM_EXPORT_LEASE_S):
         return _build(export_id)
 

@@ -54,6 +54,9 @@ from tenants.facade import Actor, audit_record
 log = logging.getLogger(__name__)
 
 MAX_ENDPOINTS = 10
+# Deliveries one endpoint may have waiting; past that a new event's delivery to it fails
+# at once (category backlog_full).
+MAX_PENDING_PER_ENDPOINT = 1000
 DUE_BATCH = 50
 # NOTE: a lease outlasts the deadline by this much (starting the attempt, recording it),
 # so a claimed delivery is never claimed again while its attempt can still be running.
@@ -125,12 +128,27 @@ def webhook_event_emit(*, tenant, event_type: str, data: dict[str, Any]) -> list
                "created_at": int(time.time()), "data": data}
     ids = []
     for endpoint in WebhookEndpoint.objects.for_tenant(tenant).filter(active=True):
+        if _backlog(endpoint) >= MAX_PENDING_PER_ENDPOINT:
+            # NOTE: kept in the log, failed at once: an endpoint that never keeps up cannot
+            # grow the table and the due passes every tenant's deliveries wait on.
+            delivery = WebhookDelivery.objects.create(
+                tenant=tenant, endpoint=endpoint, event_id=event_id, event_type=event_type,
+                payload=payload, status=WebhookDelivery.Status.FAILED,
+                last_error=f"backlog_full: {MAX_PENDING_PER_ENDPOINT} deliveries were "
+                           "already waiting for this endpoint")
+            ids.append(delivery.pk)
+            continue
         delivery = WebhookDelivery.objects.create(
             tenant=tenant, endpoint=endpoint, event_id=event_id, event_type=event_type,
             payload=payload)
         ids.append(delivery.pk)
         transaction.on_commit(partial(queue.webhook_deliver_enqueue, delivery_id=delivery.pk))
     return ids
+
+
+def _backlog(endpoint: WebhookEndpoint) -> int:
+    return WebhookDelivery.objects.filter(endpoint=endpoint,
+                                          status=WebhookDelivery.Status.PENDING).count()
 
 
 def signature_headers(*, secret: str, event_id: str, body: bytes,

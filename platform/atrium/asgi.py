@@ -137,6 +137,11 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if "\x00" in scope.get("path", "") or b"%00" in scope.get("query_string", b""):
+            # NOTE: no database takes a NUL in text (PostgreSQL refuses it): an id or a
+            # parameter holding one is no one's, refused before any lookup.
+            return await self._refuse(send, 400, "invalid_value", "the request's path or "
+                                      "query string holds a NUL character")
         limit, seconds, hint = await self.limit_for(scope)
         uploader = await self._uploader(scope)
         if uploader is None:

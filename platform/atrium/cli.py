@@ -263,6 +263,10 @@ def _worker_shape(args: argparse.Namespace) -> tuple[str, str, int, int]:
                                            lane.concurrency, lane.nice)
     else:
         queues, pool, concurrency, nice = ",".join(ALL_QUEUES), "prefork", 2, 0
+        if not args.queues:
+            print("atrium worker: every lane's queues in one pool, where a tenant's slow work "
+                  "can hold up usage ingest; run one worker per lane (--lane, "
+                  "docs/deploy.md#lanes)", file=sys.stderr)
     return (args.queues or queues, args.pool or pool, args.concurrency or concurrency,
             nice if args.nice is None else args.nice)
 

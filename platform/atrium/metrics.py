@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 CELERY_QUEUES = ALL_QUEUES  # every lane's (atrium/lanes.py)
 
 
-LAG_COUNT_MAX = 10_000  # entries counted where Redis does not say a group's lag
+LAG_COUNT_MAX = 1_000  # entries counted (and read) where Redis does not say a group's lag
 
 
 def _group_lag(client: redis.Redis, stream: str, group: dict) -> int:

@@ -230,9 +230,6 @@ ATRIUM_ADAPTER_MAX_UPLOAD_BYTES = int(os.environ.get("ATRIUM_ADAPTER_MAX_UPLOAD_
                                                      str(2 << 30)))
 ATRIUM_ADAPTER_CHUNK_BYTES = int(os.environ.get("ATRIUM_ADAPTER_CHUNK_BYTES", str(8 << 20)))
 ATRIUM_ADAPTER_UPLOAD_TTL_S = int(os.environ.get("ATRIUM_ADAPTER_UPLOAD_TTL_S", str(86400)))
-# The adapters lane: one tenant's uploads validated at once (the rest wait their turn).
-ATRIUM_ADAPTER_VALIDATIONS_PER_TENANT = int(os.environ.get(
-    "ATRIUM_ADAPTER_VALIDATIONS_PER_TENANT", "1"))
 
 # API keys and members (docs/tenancy.md).
 # Seconds a key's state stays in the Redis key cache; changes rewrite it at once anyway.
@@ -258,9 +255,9 @@ ATRIUM_INVOICE_GRACE_S = int(os.environ.get("ATRIUM_INVOICE_GRACE_S", "3600"))
 ATRIUM_EXPORT_DIR = Path(os.environ.get("ATRIUM_EXPORT_DIR", ATRIUM_HOME / "exports"))
 ATRIUM_EXPORT_TTL_S = int(os.environ.get("ATRIUM_EXPORT_TTL_S", str(7 * 86400)))
 ATRIUM_EXPORT_MAX_DAYS = int(os.environ.get("ATRIUM_EXPORT_MAX_DAYS", "400"))
-# The exports lane: one tenant's exports built at once (the rest wait their turn), and how
-# long a dead worker's build keeps that turn.
-ATRIUM_EXPORTS_PER_TENANT = int(os.environ.get("ATRIUM_EXPORTS_PER_TENANT", "1"))
+# The jobs lane (exports and adapter validations together): one tenant's jobs running at
+# once (the rest wait their turn), and how long a dead worker's export keeps that turn.
+ATRIUM_JOBS_PER_TENANT = int(os.environ.get("ATRIUM_JOBS_PER_TENANT", "1"))
 ATRIUM_EXPORT_LEASE_S = int(os.environ.get("ATRIUM_EXPORT_LEASE_S", "900"))
 # Files of the Files and Batch APIs (docs/batches.md): how large an upload may be, how
 # many requests a batch holds, how many of a batch's lines run at once, and where files
@@ -277,7 +274,7 @@ ATRIUM_TENANT_MAX_FILES = int(os.environ.get("ATRIUM_TENANT_MAX_FILES", "500"))
 ATRIUM_TENANT_MAX_FILE_BYTES = int(os.environ.get("ATRIUM_TENANT_MAX_FILE_BYTES",
                                                   str(10 * 1024 ** 3)))
 ATRIUM_TENANT_MAX_ACTIVE_BATCHES = int(os.environ.get("ATRIUM_TENANT_MAX_ACTIVE_BATCHES", "10"))
-ATRIUM_BATCH_TENANT_RUNNING = int(os.environ.get("ATRIUM_BATCH_TENANT_RUNNING", "2"))
+ATRIUM_BATCH_TENANT_RUNNING = int(os.environ.get("ATRIUM_BATCH_TENANT_RUNNING", "1"))
 # How long a batch input file uploaded without expires_after, and a batch's output and
 # error files, are kept (OpenAI's default for batch files: 30 days).
 ATRIUM_FILE_DEFAULT_EXPIRY_S = int(os.environ.get("ATRIUM_FILE_DEFAULT_EXPIRY_S",

@@ -161,14 +161,14 @@ def test_a_tenants_exports_are_built_one_at_a_time_while_others_build_beside(
         acme, redis_client, settings):
     from core import lanes
 
-    settings.ATRIUM_EXPORTS_PER_TENANT = 1
+    settings.ATRIUM_JOBS_PER_TENANT = 1
     _first, queued = (services.export_create(tenant=acme, actor=SYSTEM, kind="ledger",
                                              format="csv", start=MARCH[0], end=MARCH[1])
                       for _ in range(2))
     other = tenant_factory("globex")
     theirs = services.export_create(tenant=other, actor=SYSTEM, kind="ledger", format="csv",
                                     start=MARCH[0], end=MARCH[1])
-    with lanes.tenant_slot("exports", acme.pk, cap=1, lease_s=60):  # acme's first build
+    with lanes.tenant_slot(lanes.JOBS, acme.pk, cap=1, lease_s=60):  # acme's first job
         with pytest.raises(lanes.TenantBusy):
             services.export_build(export_id=queued.pk)
         assert services.export_build(export_id=theirs.pk).status == Export.Status.SUCCEEDED

@@ -362,6 +362,17 @@ def test_a_pass_takes_a_share_of_each_tenant_so_one_backlog_holds_no_one_back(
         {"timeout: no complete answer within 1 s"}
 
 
+def test_an_endpoint_that_never_keeps_up_stops_gathering_deliveries(receiver, monkeypatch):
+    monkeypatch.setattr("billing.services.webhooks.MAX_PENDING_PER_ENDPOINT", 2)
+    acme = tenant_factory()
+    webhook_endpoint_create(tenant=acme, actor=SYSTEM, url=receiver().url)
+    ids = [webhook_event_emit(tenant=acme, event_type="budget.threshold_reached",
+                              data={"threshold": 80})[0] for _ in range(3)]
+    third = WebhookDelivery.objects.get(pk=ids[2])
+    assert (third.status, third.attempts) == ("failed", 0)
+    assert third.last_error.startswith("backlog_full: 2 deliveries")
+
+
 def test_a_pass_queues_attempts_for_the_lanes_workers_and_returns_at_once(
         receiver, monkeypatch, settings):
     acme = tenant_factory()

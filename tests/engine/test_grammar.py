@@ -110,6 +110,20 @@ def test_a_compile_no_request_waits_for_is_dropped_while_it_queues(grammars: Gra
     assert grammars.compiles == 2
 
 
+def test_another_tenants_queued_compile_of_the_same_spec_is_not_waited_for(
+        grammars: Grammars):
+    release = threading.Event()
+    grammars._pool.submit("hostile", lambda _: release.wait(), None)  # hostile's one share
+    theirs = grammars.submit(schema_spec(NESTED), tenant="hostile")  # queued behind it
+    ours = grammars.submit(schema_spec(NESTED), tenant="quiet")
+    try:
+        assert ours is not theirs and ours.result(timeout=30) is not None
+        assert not theirs.done()
+    finally:
+        release.set()
+    assert theirs.result(timeout=30) is not None
+
+
 def test_identical_specs_in_flight_share_one_compile(grammars: Grammars):
     release = threading.Event()
     grammars._pool.submit("", lambda _: release.wait(), None)  # the tenant's one share

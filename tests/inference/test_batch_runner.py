@@ -65,6 +65,41 @@ def test_a_line_whose_run_raises_fails_alone_and_the_batch_completes(
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("boom", 500)]
 
 
+def test_an_answer_the_database_refuses_is_that_lines_500_and_the_runner_goes_on(
+        api_server, served_model, engine_worker, monkeypatch):
+    from django.db import DataError
+
+    from batches import services as batch_services
+
+    caller = make_caller()
+    collect = responses.collect
+
+    async def with_nul(prepared, *args, **kwargs):  # a model that wrote U+0000
+        result = await collect(prepared, *args, **kwargs)
+        if prepared.params.user == "nul":
+            result["choices"][0]["message"]["content"] += "\x00"
+        return result
+
+    record = batch_services.line_record
+
+    def postgres_like(**kwargs):  # PostgreSQL's jsonb refuses \u0000; SQLite would keep it
+        if "\\u0000" in json.dumps(kwargs.get("response")):
+            raise DataError("unsupported Unicode escape sequence")
+        return record(**kwargs)
+
+    monkeypatch.setattr(responses, "collect", with_nul)
+    monkeypatch.setattr(batch_services, "line_record", postgres_like)
+    batch_id = make_batch(api_server, caller.key, chat_line("first", served_model),
+                          chat_line("nul", served_model, user="nul"),
+                          chat_line("second", served_model))
+    assert run(batch_id) == "ran"
+    done = Batch.objects.get(pk=batch_id)
+    assert (done.status, done.completed, done.failed) == ("completed", 2, 1)
+    nul = line(batch_id, "nul")
+    assert (nul.status, nul.status_code, nul.attempts) == ("failed", 500, 1)
+    assert nul.error["error"]["code"] == "internal_error"
+
+
 def test_a_line_larger_than_its_keys_tokens_per_minute_fails_at_once(
         api_server, served_model, engine_worker):
     caller = make_caller(tokens_per_minute=300)

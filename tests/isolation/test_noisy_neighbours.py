@@ -32,7 +32,8 @@ LEDGER_LAG_MAX_S = 10.0  # the goal is 5 s (bench/isolation.py); idle it is abou
 ALERT_MAX_S = 30.0  # the collector runs every 10 s, then the webhooks lane delivers
 TTFT_ADDED_MAX_S = 0.5  # over the quiet tenant's idle p99
 SCHEMA_ADDED_MAX_S = 1.5  # a structured request: its compile shares two cores with one
-CATEGORIES = {"timeout", "refused", "protocol", "unreachable", "dns", "tls", "http_status"}
+CATEGORIES = {"timeout", "refused", "protocol", "unreachable", "dns", "tls", "http_status",
+              "backlog_full"}
 
 
 def _idle_p99(quiet, model: str, seconds: float = 5) -> float:
