@@ -55,11 +55,13 @@ SIZES: dict[str, ModelSpec] = {
 }
 
 
-def build_model(out_dir: Path, *, size: str = "tiny", seed: int = 0) -> Path:
-    """Writes a complete Hugging Face checkpoint into ``out_dir`` and returns it."""
-    if size not in SIZES:
+def build_model(out_dir: Path, *, size: str = "tiny", seed: int = 0,
+                spec: ModelSpec | None = None) -> Path:
+    """Writes a complete Hugging Face checkpoint into ``out_dir`` and returns it: of one of
+    the ``SIZES``, or of ``spec`` (benchmarks' shapes)."""
+    if spec is None and size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
-    spec = SIZES[size]
+    spec = spec or SIZES[size]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(seed)

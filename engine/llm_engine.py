@@ -67,13 +67,14 @@ class LLMEngine:
                 host_capacity=config.max_cpu_loras, num_slots=config.max_loras,
                 pinned=config.pinned_adapters)
             slots = self.adapters.slots
+        self.metrics = EngineMetrics()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len,
-                                  enable_lora=self.adapters is not None)
+                                  enable_lora=self.adapters is not None,
+                                  clock=self.metrics.clock)
         if self.adapters is not None:
             self.adapters.start(self.runner)  # the pinned ones, before any request
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
-        self.metrics = EngineMetrics()
         # Structured output: the compiler is set up on its own thread at start, grammars
         # compile on another; a sequence waits in _compiling until its grammar is ready.
         self._grammars: Grammars | None = None
@@ -219,20 +220,26 @@ class LLMEngine:
         return max(0, self.config.max_waiting - self.num_waiting())
 
     def step(self) -> list[RequestOutput]:
+        clock = self.metrics.clock
+        clock.start()
         outputs = self._admit_compiled() + self._admit_loaded() + self.scheduler.expire()
         began = time.perf_counter()
         if self.governor is not None:
             self.scheduler.speculation_paused = not self.governor.wants_drafts()
+        clock.lap("admit")
         if self.drafter is not None and (wanted := self.scheduler.draft_wanted()):
             self.scheduler.drafted = self.drafter.propose(wanted)
+            clock.lap("draft")
         batch = self.scheduler.schedule()
+        clock.lap("schedule")
         if not batch.requests:
             self._settle_drafts(None, None)
             return self._settled(outputs)
         try:
             if self.adapters is not None:
                 self.adapters.fill_slots(self.runner, batch.requests)
-            sampled = self.runner.run(batch)
+                clock.lap("adapters")
+            sampled = self.runner.run(batch)  # laps inputs, forward, sample
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
             self._settle_drafts(None, None)
             log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
@@ -249,6 +256,7 @@ class LLMEngine:
             generation_tokens=sampled.num_sampled)
         outputs += self.scheduler.postprocess(batch, sampled)
         self._settle_drafts(batch, sampled)
+        clock.lap("postprocess")
         rows = batch.requests
         if self.governor is not None and len(rows) <= self.config.speculative_max_batch \
                 and all(r.is_decode or r.draft for r in rows):
@@ -362,6 +370,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": m.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": m.spec_accepted_tokens,
             "spec_decode_accepted_per_pos": list(m.spec_accepted_per_pos),
+            "step_seconds": {k: round(v, 6) for k, v in m.clock.seconds.items()},
             "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(), "e2e": m.e2e.to_dict(),
             "queue": m.queue.to_dict(),
             "tenants_waiting": self.scheduler.waiting.num_tenants(),

@@ -66,6 +66,31 @@ class RateWindow:
         return sum(n for _, n in self._events) / self.window_s
 
 
+class PhaseClock:
+    """Seconds the engine's loop spent in each of its phases, summed since start: the
+    decode step's breakdown (docs/observability.md), at two clock reads a phase.
+
+    ``start`` marks the beginning of timed work; ``lap(phase)`` adds the time since the
+    last mark to ``phase`` and marks again. NOTE: on a GPU, a phase that only queues
+    kernels looks short and the one that waits for them (sampling's copy to the host)
+    carries their time.
+    """
+
+    __slots__ = ("seconds", "_mark")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + (now - self._mark)
+        self._mark = now
+
+
 @dataclass(slots=True)
 class EngineMetrics:
     prompt_tokens: int = 0  # prompt tokens run through the model (recomputation included)
@@ -84,6 +109,7 @@ class EngineMetrics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    clock: PhaseClock = field(default_factory=PhaseClock)  # the step's phases
 
     def record_draft(self, proposed: int, accepted: int) -> None:
         """A draft of ``proposed`` tokens was verified; its first ``accepted`` were kept."""
@@ -197,6 +223,13 @@ class SnapshotCollector:
         for position, count in enumerate(snapshot.get("spec_decode_accepted_per_pos", [])):
             per_pos.add_metric([*values, str(position)], count)
         yield per_pos
+        phases = CounterMetricFamily(
+            "atrium_engine_step_phase_seconds",
+            "Seconds the engine loop spent in each phase of its steps (docs/observability.md).",
+            labels=[*names, "phase"])
+        for phase, seconds in sorted(snapshot.get("step_seconds", {}).items()):
+            phases.add_metric([*values, phase], seconds)
+        yield phases
         for name, key, help_text in _HISTOGRAMS:
             if (hist := snapshot.get(key)) is None:
                 continue

@@ -21,6 +21,7 @@ from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRABatch, LoRAManager
+from engine.metrics import PhaseClock
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.model_config import ModelConfig
@@ -34,9 +35,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, *,
-                 enable_lora: bool = False) -> None:
-        """With ``enable_lora``, ``config.max_loras`` LoRA slots are allocated on the device."""
+                 enable_lora: bool = False, clock: PhaseClock | None = None) -> None:
+        """With ``enable_lora``, ``config.max_loras`` LoRA slots are allocated on the device.
+        ``run`` laps ``clock`` (the engine's) at its inputs, forward pass and sampling."""
         self.config = config
+        self.clock = clock or PhaseClock()
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
@@ -155,8 +158,11 @@ class ModelRunner:
         speculating = [i for i in range(len(reqs)) if reqs[i].draft]
         rows, source = _sampling_rows(reqs, sampling)
         masks = self._fill_masks(rows)
-        hidden = self.model(torch.tensor(token_ids, device=device),
-                            torch.tensor(positions, device=device), self.kv_caches, meta, lora)
+        inputs = torch.tensor(token_ids, device=device)
+        position_ids = torch.tensor(positions, device=device)
+        self.clock.lap("inputs")
+        hidden = self.model(inputs, position_ids, self.kv_caches, meta, lora)
+        self.clock.lap("forward")
         out = RunnerOutput([None] * len(reqs))
         if sampling:
             last = torch.tensor([last_row[i] for i in sampling], device=device)
@@ -166,6 +172,7 @@ class ModelRunner:
             out = _sample(logits, reqs, sampling, rows, masks.result() if masks else None)
         if speculating:
             self._verify(hidden, reqs, speculating, last_row, out)
+        self.clock.lap("sample")
         return out
 
     def _verify(self, hidden: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],

@@ -35,6 +35,7 @@ from redis.retry import Retry
 from engine import protocol, tracing
 from engine.events import UNREACHABLE, EventWriter
 from engine.intake import Intake
+from engine.metrics import PhaseClock
 from engine.options import (
     EngineFactory,
     add_engine_arguments,
@@ -106,6 +107,9 @@ class Worker:
         self.draining = False  # stopping: takes nothing new (heartbeat says so)
         self.registered = False  # a heartbeat went out since start-up
         self.last_turn = time.monotonic()  # when the loop last went round (liveness)
+        # The loop's Redis phases (redis_in: what a turn reads and writes before its step;
+        # events: the step's writes); the engine's own phases are in its snapshot.
+        self.clock = PhaseClock()
 
     def run(self, stop: threading.Event) -> None:
         log.info("engine %s serving model %s", self.engine_id, self.model_name)
@@ -156,6 +160,7 @@ class Worker:
             self.turn()
 
     def tick(self) -> None:
+        self.clock.start()
         self._io_since = now = time.monotonic()
         self.events.flush()  # NOTE: raises while Redis is away, so no step runs into the void
         if self._unreachable_since is not None:
@@ -173,9 +178,12 @@ class Worker:
             self.take()
         self.abort_cancelled()
         if self.engine.has_unfinished():
+            self.clock.lap("redis_in")
             outputs = self.engine.step()
+            self.clock.start()
             self._io_since = time.monotonic()
             self.events.publish(outputs)
+            self.clock.lap("events")
             self.steps += 1
 
     def health(self) -> tuple[bool, bool]:
@@ -273,14 +281,19 @@ class Worker:
         if snapshot is None:
             return {}
         # NOTE: replaced whole, never mutated: the metrics thread reads it without a lock.
-        self.last_snapshot = {**snapshot(), "queued": queued,
-                              "requests_stolen": self.streams.stolen}
+        taken = snapshot()
+        phases = {k: round(v, 6) for k, v in self.clock.seconds.items()}
+        self.last_snapshot = {**taken, "queued": queued, "requests_stolen": self.streams.stolen,
+                              "step_seconds": {**taken.get("step_seconds", {}), **phases}}
         return {"engine": self.last_snapshot}
 
     def take(self) -> None:
         """Reads new requests: blocking briefly when idle, not at all while generating."""
         block = None if self.engine.has_unfinished() else self.config.idle_block_ms
-        for entry, fields in self.streams.read(self.engine.room(), block):
+        taken = self.streams.read(self.engine.room(), block)
+        if block is not None:
+            self.clock.start()  # NOTE: an idle engine's wait for work is no step's phase
+        for entry, fields in taken:
             request = self.intake.decode(entry, fields)
             if request is not None:
                 self.intake.start(entry, request)

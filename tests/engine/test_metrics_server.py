@@ -4,6 +4,7 @@ Prometheus scraper reads there (parsed with prometheus_client's own parser)."""
 from __future__ import annotations
 
 import argparse
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -94,8 +95,10 @@ def test_served_counters_move_when_the_engine_serves_a_request(tiny_model_dir):
         engine.step()
         latest["snapshot"] = engine.snapshot()
         during = _scrape(port)
+        began = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
+        stepping = time.perf_counter() - began
         latest["snapshot"] = engine.snapshot()
         after = _scrape(port)
     # vLLM's names and labels: what dashboards and the inference extension read.
@@ -126,6 +129,14 @@ def test_served_counters_move_when_the_engine_serves_a_request(tiny_model_dir):
         "vllm:time_to_first_token_seconds"))
     assert 0 <= queue <= ttft <= e2e
     assert _value(after, "atrium_engine_steps_total") == 4
+    # The step's breakdown: each phase of the engine's own, and no more time than it took.
+    phase = "atrium_engine_step_phase_seconds_total"
+    for name in ("admit", "schedule", "inputs", "forward", "sample", "postprocess"):
+        assert _value(during, phase, phase=name) > 0, name
+        assert _value(after, phase, phase=name) > _value(during, phase, phase=name), name
+    assert _value(after, phase, phase="draft") is None  # no draft model: no such phase
+    assert 0 < sum(s.value for s in after if s.name == phase) \
+        - sum(s.value for s in during if s.name == phase) <= stepping
     # An engine without LoRA says nothing of adapters.
     assert _value(after, "vllm:lora_requests_info") is None
 

@@ -416,7 +416,12 @@ def test_heartbeat_carries_engine_metrics_and_prometheus_serves_them(start_worke
     engine = beat.stats["engine"]
     assert engine["generation_tokens"] == 6 and engine["kv_blocks_total"] > 0
     assert engine["requests_finished"] == {"length": 1} and engine["ttft"]["count"] == 1
+    # The loop's Redis phases beside the engine's own, in the step's breakdown.
+    assert {"redis_in", "events", "forward", "postprocess"} <= engine["step_seconds"].keys()
+    assert all(seconds > 0 for seconds in engine["step_seconds"].values())
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         body = reply.read().decode()
     assert 'vllm:generation_tokens_total{engine="engine-a",model_name="tiny"} 6.0' in body
     assert "vllm:inter_token_latency_seconds_bucket" in body
+    assert 'atrium_engine_step_phase_seconds_total{engine="engine-a",model_name="tiny",' \
+        'phase="events"}' in body
