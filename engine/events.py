@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # Redis did not answer: the batch is held and sent again (after the marker check).
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 _MARKER_TTL_S = 24 * 3600  # longer than any outage a held batch could outlive
+# A stream's EXPIRE is sent with its first write, its last, and once this long after the
+# one before (each step wrote one per stream: half of a step's commands); its TTL
+# (protocol.EVENTS_TTL_S) is five times longer.
+_EXPIRE_EVERY_S = 60.0
 
 
 class Entry(NamedTuple):
@@ -51,6 +55,7 @@ class _Open:
     entry: Entry  # the request's entry, settled with its final event
     request: protocol.EngineRequest
     next_seq: int = 0
+    expired_at: float = float("-inf")  # monotonic: when its stream's TTL was last set
 
 
 @dataclass(slots=True)
@@ -67,19 +72,23 @@ class _Batch:
         self.commands.append((command, args, kwargs))
 
     def add_event(self, model: str, request_id: str, event: protocol.Event,
-                  notify: str | None) -> None:
+                  notify: str | None, expire: bool = True) -> None:
         events = protocol.events_stream(model, request_id)
         self.add("xadd", events, event.encode())
-        self.add("expire", events, protocol.EVENTS_TTL_S)
+        if expire:
+            self.add("expire", events, protocol.EVENTS_TTL_S)
         if notify:
             self.news.setdefault(notify, {})[request_id] = 1
 
-    def seal(self) -> None:
-        """Tells each reader, in one entry, which of its requests this batch wrote to."""
+    def seal(self, expired_at: dict[str, float], now: float) -> None:
+        """Tells each reader, in one entry, which of its requests this batch wrote to
+        (``expired_at``: when each notify stream's TTL was last set, kept up to date)."""
         for notify, request_ids in self.news.items():
             self.add("xadd", notify, request_ids, maxlen=protocol.NOTIFY_STREAM_MAXLEN,
                      approximate=True)
-            self.add("expire", notify, protocol.EVENTS_TTL_S)
+            if now - expired_at.get(notify, float("-inf")) >= _EXPIRE_EVERY_S:
+                self.add("expire", notify, protocol.EVENTS_TTL_S)
+                expired_at[notify] = now
         self.news = {}
 
 
@@ -107,6 +116,7 @@ class EventWriter:
         self._epoch = secrets.token_hex(8)  # this writer's batches, not an earlier process's
         self._made = 0
         self._unsure = False  # an EXEC failed without a reply: it may have been applied
+        self._notify_expired: dict[str, float] = {}  # notify stream -> when its TTL was set
 
     def accept(self, entry: Entry, request: protocol.EngineRequest, engine_id: str,
                first_seq: int = 0) -> None:
@@ -195,7 +205,11 @@ class EventWriter:
         return _Batch(self._made)
 
     def _send(self, batch: _Batch) -> None:
-        batch.seal()
+        now = time.monotonic()
+        if len(self._notify_expired) > 1000:  # readers come and go: forget the long gone
+            self._notify_expired = {k: t for k, t in self._notify_expired.items()
+                                    if now - t < protocol.EVENTS_TTL_S}
+        batch.seal(self._notify_expired, now)
         self.backlog.append(batch)
         self.flush()
 
@@ -247,7 +261,12 @@ class EventWriter:
                 data: dict[str, Any]) -> protocol.Event:
         state = self.open[request_id]
         event = protocol.Event(state.next_seq, event_type, data)
-        batch.add_event(self.model, request_id, event, state.request.notify)
+        now = time.monotonic()
+        expire = event_type not in (protocol.EV_DELTA, protocol.EV_ACCEPTED) \
+            or now - state.expired_at >= _EXPIRE_EVERY_S
+        if expire:
+            state.expired_at = now
+        batch.add_event(self.model, request_id, event, state.request.notify, expire=expire)
         state.next_seq += 1
         return event
 

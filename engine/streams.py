@@ -53,18 +53,30 @@ class RequestStreams:
         """Lists the own stream for recovery (once its group exists and it heartbeats)."""
         self.client.sadd(self.registry, self.engine_id)
 
-    def read(self, room: int, block_ms: int | None) -> list[tuple[Entry, Any]]:
+    def read(self, room: int, block_ms: int | None, *,
+             also: tuple[str, bytes | str, int] | None = None
+             ) -> tuple[list[tuple[Entry, Any]], Any]:
         """Up to about ``room`` new entries: placed here or shared; else stolen from a busy
-        peer; else, ``block_ms`` given, whatever arrives here within it."""
-        if room <= 0:
-            return []
+        peer; else, ``block_ms`` given, whatever arrives here within it.
+
+        ``also`` (stream, last id, count): that stream's newer entries (XREAD's reply), read
+        in the same round trip as the first read: the second of what every step reads."""
         streams = {self.own: ">", self.shared: ">"}
-        entries = self._read(streams, room, None)
+        with self.client.pipeline(transaction=False) as pipe:
+            if room > 0:
+                pipe.xreadgroup(protocol.ENGINE_GROUP, self.engine_id, streams, count=room)
+            if also is not None:
+                pipe.xread({also[0]: also[1]}, count=also[2])
+            replies = pipe.execute() if room > 0 or also is not None else []
+        other = replies[-1] if also is not None else None
+        if room <= 0:
+            return [], other
+        entries = self._entries(replies[0])
         if not entries:
             entries = self.steal(room)
         if not entries and block_ms:
             entries = self._read(streams, room, block_ms)
-        return entries
+        return entries, other
 
     def steal(self, room: int) -> list[tuple[Entry, Any]]:
         """Entries the busiest peer has not read, up to half its queue (so the two end up
@@ -124,8 +136,11 @@ class RequestStreams:
 
     def _read(self, streams: dict[str, str], count: int,
               block_ms: int | None) -> list[tuple[Entry, Any]]:
-        reply = self.client.xreadgroup(protocol.ENGINE_GROUP, self.engine_id, streams,
-                                       count=count, block=block_ms)
+        return self._entries(self.client.xreadgroup(protocol.ENGINE_GROUP, self.engine_id,
+                                                    streams, count=count, block=block_ms))
+
+    @staticmethod
+    def _entries(reply: Any) -> list[tuple[Entry, Any]]:
         return [(Entry(_text(stream), entry_id), fields)
                 for stream, entries in reply or [] for entry_id, fields in entries]
 

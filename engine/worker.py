@@ -174,9 +174,7 @@ class Worker:
             self.recovery.run()
             self.read_adapter_events()
             self._next_recovery = now + self.config.recovery_interval_s
-        if not self.draining:
-            self.take()
-        self.abort_cancelled()
+        self.take()
         if self.engine.has_unfinished():
             self.clock.lap("redis_in")
             outputs = self.engine.step()
@@ -288,20 +286,23 @@ class Worker:
         return {"engine": self.last_snapshot}
 
     def take(self) -> None:
-        """Reads new requests: blocking briefly when idle, not at all while generating."""
+        """Reads new requests (none while draining): blocking briefly when idle, not at all
+        while generating; and the requests cancelled since, in the same round trip."""
         block = None if self.engine.has_unfinished() else self.config.idle_block_ms
-        taken = self.streams.read(self.engine.room(), block)
+        room = 0 if self.draining else self.engine.room()
+        taken, cancels = self.streams.read(room, block,
+                                           also=(self.cancels, self._cancels_id, CANCELS_READ))
         if block is not None:
             self.clock.start()  # NOTE: an idle engine's wait for work is no step's phase
         for entry, fields in taken:
             request = self.intake.decode(entry, fields)
             if request is not None:
                 self.intake.start(entry, request)
+        self.abort_cancelled(cancels)
 
-    def abort_cancelled(self) -> None:
-        """Stops the requests cancelled since the last step: one read of the model's
-        cancels stream, whatever the number of requests held."""
-        reply = self.client.xread({self.cancels: self._cancels_id}, count=CANCELS_READ)
+    def abort_cancelled(self, reply: Any) -> None:
+        """Stops the requests cancelled since the last step (``reply``: one read of the
+        model's cancels stream, whatever the number of requests held)."""
         cancelled: dict[str, None] = {}
         for _stream, entries in reply or ():
             for entry_id, fields in entries:

@@ -243,16 +243,22 @@ def _record(traces: list[Trace]) -> None:
 
 
 def _record_in_thread(traces: list[Trace]) -> None:
-    try:
-        _record(traces)
-    finally:
-        connection.close()  # a pool thread, not a request: nobody else closes it
+    # NOTE: the writer's thread keeps its connection from batch to batch while requests
+    # keep ending (_write_batches closes it once they stop): one that failed or that the
+    # server dropped meanwhile is opened again first.
+    if connection.connection is not None and (connection.errors_occurred
+                                              or not connection.is_usable()):
+        connection.close()
+    _record(traces)
 
 
-# NOTE: the logs of requests that end while a batch is being written make the next batch:
-# one transaction per batch, on one thread of its own (not the pool that tokenizes
-# prompts), so a burst of requests costs the database a few writes and no one waits.
+# NOTE: the logs of requests that end while a batch is being written, or within _LINGER_S
+# of the last one, make the next batch: one transaction per batch, on one thread of its
+# own (not the pool that tokenizes prompts), so a burst of requests costs the database a
+# few writes and no one waits; and requests one after another no longer pay a connection
+# and a transaction each, on the thread whose GIL the next request's steps wait for.
 _BATCH_MAX = 500
+_LINGER_S = 0.25
 _batch: list[tuple[Trace, asyncio.Future]] = []
 _writer: asyncio.Task | None = None
 _thread = ThreadPoolExecutor(1, thread_name_prefix="request-log")
@@ -277,16 +283,31 @@ async def _write(trace: Trace) -> None:
 
 
 async def _write_batches() -> None:
-    loop = asyncio.get_running_loop()
-    while _batch:
-        taken = _batch[:_BATCH_MAX]
-        del _batch[:_BATCH_MAX]
-        try:
-            await loop.run_in_executor(_thread, _record_in_thread, [t for t, _ in taken])
-        finally:
-            for _, written in taken:
-                if not written.done():
-                    written.set_result(None)
+    try:
+        while _batch:
+            while _batch:
+                await _write_taken()
+            try:
+                await asyncio.sleep(_LINGER_S)
+            except asyncio.CancelledError:  # the loop ends: what came meanwhile is written
+                while _batch:
+                    await _write_taken()
+                raise
+    finally:
+        # A pool thread, not a request: nobody else closes its connection.
+        _thread.submit(connection.close)
+
+
+async def _write_taken() -> None:
+    taken = _batch[:_BATCH_MAX]
+    del _batch[:_BATCH_MAX]
+    try:
+        await asyncio.get_running_loop().run_in_executor(_thread, _record_in_thread,
+                                                         [t for t, _ in taken])
+    finally:
+        for _, written in taken:
+            if not written.done():
+                written.set_result(None)
 
 
 def wait_written(timeout: float) -> None:
