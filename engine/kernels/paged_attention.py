@@ -45,44 +45,73 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return flat.view(rows, width * cache.shape[1], *cache.shape[2:])
 
 
+class DecodePlan:
+    """What the torch path needs of one step's decode rows, worked out once a step and
+    used by every layer (it was worked out again in each: a host sync, a sort and a dozen
+    small ops a layer): rows in groups of similar length (sorted, ``group_size`` at a
+    time), each with the cache blocks it gathers (only as many as its longest member
+    needs: padding every row to the longest context of the batch would copy and attend
+    about twice the keys) and its mask."""
+
+    __slots__ = ("groups", "whole")
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int, group_size: int = 16) -> None:
+        lengths = context_lens.tolist()
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        # (rows, the blocks to gather flattened, how many per row, mask [b, 1, 1, L])
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = []
+        for start in range(0, len(order), group_size):
+            rows = order[start:start + group_size]
+            width = -(-lengths[rows[-1]] // block_size)
+            index = torch.tensor(rows, device=context_lens.device)
+            blocks = block_tables[index, :width].reshape(-1).long()
+            positions = torch.arange(width * block_size, device=context_lens.device)
+            mask = (positions[None, :] < context_lens[index][:, None].long())[:, None, None, :]
+            self.groups.append((index, blocks, width, mask))
+        # One group of every row, in order: no row is picked out or put back.
+        self.whole = len(self.groups) == 1 and order == list(range(len(order)))
+
+
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, group_size: int = 16) -> torch.Tensor:
+                           scale: float, group_size: int = 16,
+                           plan: DecodePlan | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim] -> [batch, heads, head_dim], in q's dtype.
 
-    Sequences run in groups of similar length (sorted, ``group_size`` at a time), each
-    gathering only as many blocks as its longest member needs: padding every row to the
-    longest context of the batch would copy and attend about twice the keys.
-    """
+    ``plan``: the step's ``DecodePlan`` of these block tables and lengths (made here when
+    None)."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
+    if plan is None:
+        plan = DecodePlan(block_tables, context_lens, k_cache.shape[1], group_size)
+    if plan.whole:
+        _, blocks, width, mask = plan.groups[0]
+        return _attend(q, k_cache, v_cache, blocks, width, mask, scale)
     out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
-    lengths = context_lens.tolist()
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    for start in range(0, len(order), group_size):
-        rows = order[start:start + group_size]
-        width = -(-lengths[rows[-1]] // block_size)
-        index = torch.tensor(rows, device=q.device)
-        out[index] = _attend(q[index], k_cache, v_cache, block_tables[index, :width],
-                             context_lens[index], scale)
+    for index, blocks, width, mask in plan.groups:
+        out[index] = _attend(q[index], k_cache, v_cache, blocks, width, mask, scale)
     return out
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+            blocks: torch.Tensor, width: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
     heads, kv_heads = q.shape[1], k_cache.shape[2]
-    k = gather_blocks(k_cache, block_tables).transpose(1, 2)  # [batch, kv_heads, L, head_dim]
-    v = gather_blocks(v_cache, block_tables).transpose(1, 2)
-    positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].long())[:, None, None, :]  # [b,1,1,L]
+    batch, head_dim = q.shape[0], q.shape[2]
+    k = _gather(k_cache, blocks, batch, width).transpose(1, 2)  # [batch, kv_heads, L, dim]
+    v = _gather(v_cache, blocks, batch, width).transpose(1, 2)
     # NOTE: the query heads of one KV head go in as that head's queries ([b, kv_heads,
     # group, head_dim]): no key or value is repeated per query head, and on CPU it runs
     # about a quarter faster than SDPA's own enable_gqa.
-    batch, head_dim = q.shape[0], q.shape[2]
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype),
                                          attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``gather_blocks`` of blocks already flattened: [rows, width * block_size, ...]."""
+    flat = cache.view(cache.shape[0], -1).index_select(0, blocks)
+    return flat.view(rows, width * cache.shape[1], *cache.shape[2:])
 
 
 if triton is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.paged_attention import (
+    DecodePlan,
     gather_blocks,
     paged_decode_attention,
     paged_decode_reference,
@@ -36,6 +37,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes] int32: tokens to attend, incl. the new
     prefills: list[PrefillSpan]
     use_triton: bool = False
+    decode_plan: DecodePlan | None = None  # the torch path's, made by the first layer
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -52,10 +54,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     d = meta.num_decodes
-    if d:
-        decode = paged_decode_attention if meta.use_triton else paged_decode_reference
-        out[:d] = decode(q[:d], k_cache, v_cache, meta.decode_block_tables,
-                         meta.decode_context_lens, scale)
+    if d and meta.use_triton:
+        out[:d] = paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_context_lens, scale)
+    elif d:
+        if meta.decode_plan is None:
+            meta.decode_plan = DecodePlan(meta.decode_block_tables, meta.decode_context_lens,
+                                          k_cache.shape[1])
+        out[:d] = paged_decode_reference(q[:d], k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_context_lens, scale,
+                                         plan=meta.decode_plan)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         out[rows] = _prefill_one(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)

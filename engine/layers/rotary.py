@@ -98,12 +98,17 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.outer(positions, inv_freq.float())  # [max_positions, head_dim // 2]
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
         self.register_buffer("sin", angles.sin() * scale, persistent=False)
+        # The last step's positions and their rows of the tables: every layer rotates by the
+        # same positions tensor, so its rows are looked up once a step.
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] rotated by position."""
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1)
+        if self._rows is None or self._rows[0] is not positions:
+            self._rows = (positions, self.cos[positions].unsqueeze(1),  # [tokens, 1, dim // 2]
+                          self.sin[positions].unsqueeze(1))
+        _, cos, sin = self._rows
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -9,7 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kernels.paged_attention import paged_decode_attention, paged_decode_reference
+from engine.kernels.paged_attention import (
+    DecodePlan,
+    paged_decode_attention,
+    paged_decode_reference,
+)
 from tests.engine.kernel_testing import sparse_zeros
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,3 +97,26 @@ def test_blocks_past_2_to_the_32_elements_are_addressed_in_64_bits(tmp_path):
     actual = paged_decode_attention(q, cache, cache, tables, lens, scale=0.25)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_the_torch_path_over_groups_of_a_shared_plan_attends_each_rows_own_context():
+    """20 rows of shuffled lengths: two groups, rows picked out and put back; one plan,
+    made once a step, serves every layer (each its own cache) and gives each row exactly
+    its own keys."""
+    lengths = [5, 70, 17, 1, 33, 64, 2, 48, 16, 9, 31, 50, 3, 66, 12, 40, 7, 28, 55, 21]
+    q, k_cache, v_cache, tables, lens = _case(20, 2, 2, 16, 16, lengths, torch.float32, 3)
+    plan = DecodePlan(tables, lens, block_size=16)
+    assert len(plan.groups) == 2 and not plan.whole
+    for layer in range(2):  # a second layer: other caches, the same plan
+        if layer:
+            k_cache, v_cache = torch.randn_like(k_cache), torch.randn_like(v_cache)
+        out = paged_decode_reference(q, k_cache, v_cache, tables, lens, scale=0.25, plan=plan)
+        for row, n in enumerate(lengths):
+            blocks = tables[row, :-(-n // 16)].long()
+            k = k_cache[blocks].reshape(-1, 2, 16)[:n].repeat_interleave(2, dim=1)  # [n, 4, 16]
+            v = v_cache[blocks].reshape(-1, 2, 16)[:n].repeat_interleave(2, dim=1)
+            weights = torch.softmax(torch.einsum("hd,nhd->hn", q[row], k) * 0.25, dim=-1)
+            torch.testing.assert_close(out[row], torch.einsum("hn,nhd->hd", weights, v),
+                                       atol=1e-5, rtol=1e-5)
+    one = DecodePlan(tables[:1], lens[:1], block_size=16)
+    assert one.whole  # one row: attended in place, nothing picked out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import redis
@@ -72,6 +73,43 @@ def test_every_write_of_a_requests_events_names_it_on_its_readers_notify_stream(
                                                  count=1)
     assert int(notices[-1][0].split(b"-")[0]) >= int(last_event_id.split(b"-")[0])
     assert redis_client.ttl(notify) > 0
+
+
+def test_a_requests_streams_get_their_ttl_at_the_first_and_last_write_not_each_step(
+        start_worker, redis_client):
+    """Half a step's commands were an EXPIRE per delta; the TTL (minutes) is set with the
+    first write and the last, and again only once a minute."""
+    start_worker()
+    notify = protocol.notify_stream("tiny", "reader-ttl")
+    request = make_request(PROMPT, max_tokens=12, ignore_eos=True, notify=notify)
+    events_key = protocol.events_stream("tiny", request.request_id).encode()
+    expires: list[bytes] = []
+    seen = threading.Event()
+    pool = redis_client.connection_pool
+    monitor_client = redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=pool.connection_class, **pool.connection_kwargs))
+
+    def watch() -> None:
+        with monitor_client.monitor() as monitor:
+            seen.set()
+            for command in monitor.listen():
+                words = command["command"].encode().split()
+                if words[:1] == [b"EXPIRE"] and words[1] in (events_key, notify.encode()):
+                    expires.append(words[1])
+                if words[:1] == [b"XACK"]:  # the request's final batch: its last command
+                    return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert seen.wait(5)
+    submit(redis_client, request)
+    events = read_events(redis_client, request.request_id)
+    watcher.join(timeout=10)
+    assert len([e for e in events if e.type == protocol.EV_DELTA]) >= 2
+    assert expires.count(events_key) == 2  # accepted, finish
+    assert expires.count(notify.encode()) == 1  # its first notice
+    assert 0 < redis_client.ttl(events_key) <= protocol.EVENTS_TTL_S
+    assert 0 < redis_client.ttl(notify) <= protocol.EVENTS_TTL_S
 
 
 def test_a_request_naming_another_key_to_notify_is_refused(start_worker, redis_client):

@@ -176,3 +176,39 @@ def test_a_client_that_goes_away_is_logged_as_499_with_what_was_made(
     assert (entry.status, entry.error_code) == (499, "client_closed")
     assert 0 < entry.completion_tokens < 400
     assert RequestLog.objects.count() == 1
+
+
+def test_requests_one_after_another_share_the_writers_connection(
+        api_server, tenant_key, served_model, echo_engine, monkeypatch):
+    """At one request at a time each log was a connection and a transaction of its own, on
+    the thread whose GIL the next request waits for; those that end within the writer's
+    linger share one connection."""
+    from django.db.backends.signals import connection_created
+
+    from inference import requestlog
+
+    # NOTE: longer than any of these requests takes on a loaded machine, so they all come
+    # within it (0.25 s in production).
+    monkeypatch.setattr(requestlog, "_LINGER_S", 3.0)
+    opened: list[str] = []
+
+    def count(sender, connection, **kwargs) -> None:
+        import threading
+
+        if threading.current_thread().name.startswith("request-log"):
+            opened.append(connection.alias)
+
+    connection_created.connect(count)
+    try:
+        ids = []
+        for i in range(5):
+            r = _post(api_server, tenant_key.key, "/v1/chat/completions", {
+                "model": served_model, "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"request {i}"}]})
+            assert r.status_code == 200
+            ids.append(r.headers["x-request-id"])
+        logged = wait_for_logs(5)
+    finally:
+        connection_created.disconnect(count)
+    assert sorted(entry.request_id for entry in logged) == sorted(ids)
+    assert len(opened) == 1
