@@ -243,20 +243,18 @@ def _record(traces: list[Trace]) -> None:
 
 
 def _record_in_thread(traces: list[Trace]) -> None:
-    # NOTE: the writer's thread keeps its connection from batch to batch while requests
-    # keep ending (_write_batches closes it once they stop): one that failed or that the
-    # server dropped meanwhile is opened again first.
-    if connection.connection is not None and (connection.errors_occurred
-                                              or not connection.is_usable()):
-        connection.close()
-    _record(traces)
+    try:
+        _record(traces)
+    finally:
+        connection.close()  # a pool thread, not a request: nobody else closes it
 
 
 # NOTE: the logs of requests that end while a batch is being written, or within _LINGER_S
-# of the last one, make the next batch: one transaction per batch, on one thread of its
-# own (not the pool that tokenizes prompts), so a burst of requests costs the database a
-# few writes and no one waits; and requests one after another no longer pay a connection
-# and a transaction each, on the thread whose GIL the next request's steps wait for.
+# of the last one, make the next batch: one connection and transaction per batch, on one
+# thread of its own (not the pool that tokenizes prompts), so a burst of requests costs
+# the database a few writes and no one waits; and requests one after another no longer
+# pay a connection and a transaction each, on the thread whose GIL the next request's
+# steps wait for.
 _BATCH_MAX = 500
 _LINGER_S = 0.25
 _batch: list[tuple[Trace, asyncio.Future]] = []
@@ -283,19 +281,15 @@ async def _write(trace: Trace) -> None:
 
 
 async def _write_batches() -> None:
-    try:
+    while _batch:
         while _batch:
+            await _write_taken()
+        try:
+            await asyncio.sleep(_LINGER_S)
+        except asyncio.CancelledError:  # the loop ends: what came meanwhile is written
             while _batch:
                 await _write_taken()
-            try:
-                await asyncio.sleep(_LINGER_S)
-            except asyncio.CancelledError:  # the loop ends: what came meanwhile is written
-                while _batch:
-                    await _write_taken()
-                raise
-    finally:
-        # A pool thread, not a request: nobody else closes its connection.
-        _thread.submit(connection.close)
+            raise
 
 
 async def _write_taken() -> None:

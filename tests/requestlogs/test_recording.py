@@ -178,11 +178,11 @@ def test_a_client_that_goes_away_is_logged_as_499_with_what_was_made(
     assert RequestLog.objects.count() == 1
 
 
-def test_requests_one_after_another_share_the_writers_connection(
+def test_requests_one_after_another_share_a_connection_and_a_transaction(
         api_server, tenant_key, served_model, echo_engine, monkeypatch):
     """At one request at a time each log was a connection and a transaction of its own, on
-    the thread whose GIL the next request waits for; those that end within the writer's
-    linger share one connection."""
+    the thread whose GIL the next request waits for; the first is written at once, and
+    those that end within the writer's linger after it share the next one."""
     from django.db.backends.signals import connection_created
 
     from inference import requestlog
@@ -211,4 +211,4 @@ def test_requests_one_after_another_share_the_writers_connection(
     finally:
         connection_created.disconnect(count)
     assert sorted(entry.request_id for entry in logged) == sorted(ids)
-    assert len(opened) == 1
+    assert len(opened) == 2
