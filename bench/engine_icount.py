@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--after", default=None, help="a revision; default: this checkout")
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=112)
+    parser.add_argument("--out", default="engine_icount", help="bench/results/<out>.json")
     args = parser.parse_args()
     from engine.demo_model import build_model
 
@@ -96,7 +97,7 @@ def main() -> None:
     per_token = {side: (counts[(side, args.long)] - counts[(side, args.short)]) / decode_tokens
                  for side in trees}
     ratio = per_token["after"] / per_token["before"]
-    path = write_result("engine_icount", {
+    path = write_result(args.out, {
         "before": args.before, "after": args.after or "this checkout",
         "workload": {"requests": 8, "prompt_tokens": 64, "short": args.short,
                      "long": args.long},
