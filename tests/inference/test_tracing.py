@@ -38,6 +38,10 @@ def _wait_for(exporter: InMemorySpanExporter, *names: str) -> list:
     return list(exporter.get_finished_spans())
 
 
+def _described(finished: list) -> list:
+    return [(s.name, dict(s.attributes or {})) for s in finished]
+
+
 def test_one_trace_holds_the_web_request_and_the_engines_work(api_server, served_model,
                                                               engine_worker, spans):
     caller = make_caller()
@@ -54,11 +58,12 @@ def test_one_trace_holds_the_web_request_and_the_engines_work(api_server, served
     assert {format(s.context.trace_id, "032x") for s in finished} == {CALLER_TRACE}
     assert format(web.parent.span_id, "016x") == CALLER_SPAN and web.parent.is_remote
     assert web.attributes["http.response.status_code"] == 200
-    assert web.attributes["gen_ai.usage.output_tokens"] == 4
+    # NOTE: the spans in the message: CI once saw 1 here, not reproduced since.
+    assert web.attributes["gen_ai.usage.output_tokens"] == 4, _described(finished)
     assert web.attributes["atrium.auth_ms"] > 0 and web.attributes["atrium.admission_ms"] > 0
     # The engine's spans hang from the web request, across Redis.
     assert engine.parent.span_id == web.context.span_id and engine.parent.is_remote
-    assert engine.attributes["gen_ai.usage.output_tokens"] == 4
+    assert engine.attributes["gen_ai.usage.output_tokens"] == 4, _described(finished)
     phases = [by_name[name] for name in ("engine.queue", "engine.prefill", "engine.decode")]
     assert all(p.parent.span_id == engine.context.span_id for p in phases)
     assert engine.start_time <= phases[0].start_time <= phases[1].start_time \
