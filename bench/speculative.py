@@ -13,8 +13,9 @@ the time from a request's first token to its last over the tokens between) and
 second). The same engine configuration runs with ``speculative="off"``, ``"ngram"`` and
 ``"draft:PATH"`` (the demo's draft model: ``demo-draft``, a quarter of its width, half
 its depth, trained on the same corpus with the same tokenizer), in alternating order in
-one process; every figure is the median round. Every greedy output
-with speculation is compared with the one without.
+one process; every figure is the median round, and ``spread`` gives the lowest and the
+highest round's ratio to off. Every greedy output with speculation is compared with the
+one without.
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--requests 8] [--max-tokens 96]
 
@@ -157,7 +158,19 @@ def main() -> None:
         return sum(r["accepted_tokens"] for r in rows) / max(1, sum(r["draft_tokens"]
                                                                     for r in rows))
 
+    def spread(case: str, mode: str) -> list[float]:
+        """The lowest and highest of the rounds' ratios to off (each round's own)."""
+        if case == "saturated":
+            ratios = [m["output_tokens_per_s"] / o["output_tokens_per_s"]
+                      for o, m in zip(runs[case]["off"], runs[case][mode], strict=True)]
+        else:
+            ratios = [o["itl_s"] / m["itl_s"]
+                      for o, m in zip(runs[case]["off"], runs[case][mode], strict=True)]
+        return [round(min(ratios), 3), round(max(ratios), 3)]
+
     result = {
+        "spread": {case: {mode: spread(case, mode) for mode in ("ngram", "draft")}
+                   for case in ("grounded_batch1", "open_batch1", "saturated")},
         "itl_speedup_batch1": round(median("grounded_batch1", "off", "itl_s")
                                     / median("grounded_batch1", "ngram", "itl_s"), 3),
         "itl_speedup_batch1_open": round(median("open_batch1", "off", "itl_s")

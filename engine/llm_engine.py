@@ -260,8 +260,8 @@ class LLMEngine:
         rows = batch.requests
         if self.governor is not None and len(rows) <= self.config.speculative_max_batch \
                 and all(r.is_decode or r.draft for r in rows):
-            self.governor.record(drafting=not self.scheduler.speculation_paused,
-                                 rows=len(rows), tokens=sampled.num_sampled,
+            self.governor.record(drafting=any(r.draft for r in rows), rows=len(rows),
+                                 tokens=sampled.num_sampled,
                                  seconds=time.perf_counter() - began)
         return self._settled(outputs)
 

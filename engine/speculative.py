@@ -26,6 +26,7 @@ second than without (``SpeculationGovernor``). Operators choose it
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from engine.batch import ScheduledRequest, Speculated
@@ -164,41 +165,79 @@ class SequenceDrafts:
 
 class SpeculationGovernor:
     """Keeps speculation on only while it pays: decode steps with it must yield more tokens
-    per second per sequence than steps without it.
+    per second per sequence than steps without it, and a losing way costs little.
 
-    Both are measured as the engine runs (an exponential average each): one comparable
-    step in ``PROBE_EVERY`` runs the other way than the current choice, so a proposer
-    that costs more than it saves (a draft model whose passes cost as much as the
-    target's, a CPU verifying long drafts) is turned off, and turned on again when
-    conditions change. Comparable steps: only decodes (no prompt chunks), few enough rows
-    to speculate at all.
+    Both are measured as the engine runs (an exponential average each). It learns first,
+    alternating until it has ``MIN_SAMPLES`` comparable steps each way, then keeps the
+    faster way and probes the other now and then: the first probe ``PROBE_FIRST``
+    comparable steps after a change of mind; each probe that confirms the choice at least
+    doubles the wait, and makes it long enough that the probe's extra time is at most
+    ``LOSS_BUDGET`` of the steps until the next, up to ``PROBE_MOST``. So a proposer that
+    costs more than it saves (a draft model whose passes cost as much as the target's, and
+    whose cache must first read what it skipped) costs a few learning steps and then about
+    1% at most, and a change of conditions (a workload that starts repeating itself) is seen
+    within ``PROBE_MOST`` steps. A probe's
+    sample weighs more (``PROBE_ALPHA``) than a step of the way kept (``ALPHA``): it is
+    one of few. Comparable steps: only decodes (no prompt chunks), few enough rows to
+    speculate at all.
     """
 
-    PROBE_EVERY = 10
+    PROBE_FIRST = 8
+    PROBE_MOST = 1024
+    LOSS_BUDGET = 0.01  # what probes may cost, as a share of the steps between them
     ALPHA = 0.1
+    PROBE_ALPHA = 0.5
     MIN_SAMPLES = 3  # of each way before deciding: a first step's warm-up decides nothing
 
     def __init__(self) -> None:
         self.on = True
         self.rate: dict[bool, float | None] = {True: None, False: None}
         self._samples = {True: 0, False: 0}
-        self._steps = 0
+        self._wait = self.PROBE_FIRST  # comparable steps between probes now
+        self._until_probe = self.PROBE_FIRST
+        self._asked = True  # what the last wants_drafts answered
+
+    @property
+    def learning(self) -> bool:
+        return min(self._samples.values()) < self.MIN_SAMPLES
 
     def wants_drafts(self) -> bool:
-        """Whether the next step proposes drafts."""
-        self._steps += 1
-        return (not self.on) if self._steps % self.PROBE_EVERY == 0 else self.on
+        """Whether the next step proposes drafts. NOTE: a probe that falls on a step that
+        is not comparable, or a probe for drafts on a step where none was proposed, stays
+        due until one is."""
+        if self.learning:
+            self._asked = self._samples[True] <= self._samples[False]
+        else:
+            self._asked = (not self.on) if self._until_probe <= 0 else self.on
+        return self._asked
 
     def record(self, *, drafting: bool, rows: int, tokens: int, seconds: float) -> None:
         """A comparable step: ``rows`` decoding sequences yielded ``tokens`` in ``seconds``
-        (the draft model's proposals included)."""
+        (the draft model's proposals included); ``drafting``: whether any row had a draft.
+        NOTE: a step asked to draft where no row had one (no n-gram found) is a step
+        without drafts: it tells what those cost."""
         if rows <= 0 or seconds <= 0:
             return
+        learning = self.learning
+        probe = not learning and self._asked != self.on and drafting == self._asked
         rate, old = tokens / seconds / rows, self.rate[drafting]
-        self.rate[drafting] = rate if old is None else old + self.ALPHA * (rate - old)
+        alpha = self.PROBE_ALPHA if probe and not learning else self.ALPHA
+        self.rate[drafting] = rate if old is None else old + alpha * (rate - old)
         self._samples[drafting] += 1
-        if min(self._samples.values()) >= self.MIN_SAMPLES:
-            self.on = self.rate[True] >= self.rate[False]
+        if self.learning:
+            return
+        choice = self.rate[True] >= self.rate[False]
+        if learning or choice != self.on:  # decided for the first time, or changed its mind
+            self._wait = self.PROBE_FIRST
+        elif probe:  # the probe confirmed the choice: wait longer, long enough for its cost
+            cost = self.rate[self.on] / rate - 1  # the probe step's, in kept steps
+            self._wait = min(self.PROBE_MOST, max(2 * self._wait,
+                                                  math.ceil(cost / self.LOSS_BUDGET)))
+        if learning or probe or choice != self.on:
+            self._until_probe = self._wait
+        elif self._asked == self.on:
+            self._until_probe -= 1
+        self.on = choice
 
 
 def verify_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParams, seed: int,
