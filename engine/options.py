@@ -51,7 +51,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         default=int(env("ATRIUM_MAX_CPU_LORAS", "64")))
     parser.add_argument("--pin-adapter", action="append", default=[], metavar="HASH",
                         help="keep this adapter in a slot from start-up (repeatable)")
-    parser.add_argument("--speculative", default=env("ATRIUM_SPECULATIVE", "off"),
+    parser.add_argument("--speculative", default=env("ATRIUM_SPECULATIVE", "ngram"),
                         help="speculative decoding: off, ngram (prompt lookup) or "
                              "draft:PATH (a smaller checkpoint with this model's tokenizer; "
                              "docs/speculative.md)")
