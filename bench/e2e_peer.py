@@ -170,7 +170,8 @@ def peer(model_dir: Path) -> Iterator[Server]:
             time.sleep(0.5)
         yield Server("transformers serve", base, str(model_dir))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have died on its own
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:

@@ -1,5 +1,5 @@
 """Runs a batch: each line through the one inference pipeline live requests take
-(pipeline.start, responses.collect), under the key that made the batch, its quotas and
+(pipeline.Run), under the key that made the batch, its quotas and
 budgets, in the batch priority class (engine/fair_queue.py serves it only when no
 interactive request waits; the scheduler preempts it first).
 
@@ -36,7 +36,7 @@ from batches import services as batch_services
 from batches.models import Batch, BatchLine
 from core.errors import ApiError, RateLimited, ServiceUnavailable
 from core.websockets import RECHECK_S
-from inference import pipeline, requestlog, responses
+from inference import pipeline
 from inference.errors import NoEngineAvailable, TooLargeForRateLimit
 from tenants.facade import Principal, principal_by_key_id
 
@@ -179,26 +179,18 @@ class Runner:
             return
 
     async def _attempt(self, line: BatchLine) -> dict[str, Any]:
-        trace = requestlog.Trace(self.principal, _kind(self.batch), transport="batch")
-        trace.body = line.body
+        run = pipeline.Run(self.principal, _kind(self.batch), transport="batch")
         try:
-            started = await pipeline.start(trace, batch_line=f"{self.batch.id}-{line.index}")
-            result = await responses.collect(started.prepared, started.dispatch,
-                                             started.admission)
-            trace.completed(result)
-            return result
-        except asyncio.CancelledError:
-            trace.cancel()
-            raise
-        except BaseException as exc:
-            trace.fail(exc)
-            if isinstance(exc, Exception) and not isinstance(exc, ApiError):
-                request_id = getattr(trace.prepared, "response_id", None)
+            async with run:
+                run.body = line.body
+                await run.start(batch_line=f"{self.batch.id}-{line.index}")
+                return await run.collect()
+        except Exception as exc:
+            if not isinstance(exc, ApiError):
+                request_id = getattr(run.prepared, "response_id", None)
                 log.exception("batch %s line %d (custom_id %s, request %s) failed",
                               self.batch.id, line.index, line.custom_id, request_id)
             raise
-        finally:
-            trace.close()
 
     async def _failed(self, line: BatchLine, exc: Exception) -> None:
         if isinstance(exc, ApiError):

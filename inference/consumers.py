@@ -40,8 +40,6 @@ from core.websockets import (
 from inference import (
     params,
     pipeline,
-    requestlog,
-    responses,
     service,
     socket_messages,
     telemetry,
@@ -146,7 +144,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         body = parsed.body
         if isinstance(body, dict):
             body = {**body, "stream": True}  # a socket always streams
-        # NOTE: checked before it takes one of the socket's slots (pipeline.start checks it
+        # NOTE: checked before it takes one of the socket's slots (Run.start checks it
         # again): a malformed request must not push a good one out.
         params.parse(kind, body)
         if client_id in self.tasks:
@@ -163,61 +161,50 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         self.admitted.discard(client_id)
 
     def _take_place(self, client_id: str) -> None:
-        """A checked request takes one of the socket's places (pipeline.start's
+        """A checked request takes one of the socket's places (Run.start's
         before_admit): one whose model, adapter or prompt is refused never held one."""
         if len(self.admitted) >= MAX_IN_FLIGHT:
             raise _too_many()
         self.admitted.add(client_id)
 
     async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
-        trace: requestlog.Trace | None = None
         span = telemetry.request_span(self.trace_headers, f"websocket {kind}")
         try:
             principal = await authenticate(self.authorization, span=span)
-            # Logged when it ends, however it ends (requestlog.py).
-            trace = requestlog.Trace(principal, kind, transport="websocket", span=span)
-            trace.body = body
-            started = await pipeline.start(
-                trace, before_admit=lambda: self._take_place(client_id), session=self.session)
-            await self._stream(client_id, trace, started)
+            # Logged when its run ends, however it ends (inference/pipeline.py).
+            async with pipeline.Run(principal, kind, transport="websocket", span=span,
+                                    client_gone=(SocketGone,)) as run:
+                run.body = body
+                await run.start(before_admit=lambda: self._take_place(client_id),
+                                session=self.session)
+                await self._stream(client_id, run)
         except ApiError as exc:
-            if trace is not None:
-                trace.fail(exc)
             await self._error(client_id, exc)
         except asyncio.CancelledError:
-            if trace is not None:
-                trace.cancel()
-            # stream_chunks' cleanup has told the engine; tell the client if it is still there.
+            # The run has ended (the engine told, its usage read); tell the client if it is
+            # still there.
             try:
                 await self._send({"type": "cancelled", "id": client_id})
             except Exception:  # noqa: BLE001 - the socket may be gone already
                 pass
             raise
         except SocketGone:
-            if trace is not None:
-                trace.cancel()  # the client went away mid-stream: a 499, not a failure
-        except Exception as exc:
-            if trace is not None:
-                trace.fail(exc)
+            pass  # the client went away mid-stream: its run logged it as a 499
+        except Exception:
             log.exception("websocket request failed")
             await self._error(client_id, ApiError("internal error", status=500,
                                                   code="internal_error"))
-        finally:
-            if trace is not None:
-                trace.submit()
 
-    async def _stream(self, client_id: str, trace: requestlog.Trace,
-                      started: pipeline.Started) -> None:
+    async def _stream(self, client_id: str, run: pipeline.Run) -> None:
         """Relays the request's chunks, then "done".
 
         NOTE: the chunks are closed when the loop ends, however it ends (a cancel lands in
-        _send as often as in the stream): the engine is stopped, its usage learnt and the
-        request logged before the client is told "cancelled"."""
+        _send as often as in the stream): the run ends (the engine stopped, its usage
+        learnt, the request logged) before the client is told "cancelled"."""
         streams = OPEN_STREAMS.labels("websocket")
         streams.inc()
         try:
-            async with aclosing(trace.observe(responses.stream_chunks(
-                    started.prepared, started.dispatch, started.admission))) as chunks:
+            async with aclosing(run.stream()) as chunks:
                 async for chunk in chunks:
                     if chunk is not None:  # None: idle (a websocket needs no keep-alive)
                         await self._send({"type": "chunk", "id": client_id, "data": chunk})

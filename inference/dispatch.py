@@ -113,9 +113,6 @@ class Dispatch:
         # The engine's usage from its final event: the count it reports for billing.
         self.usage: dict | None = None
         self.completion_tokens = 0  # in the deltas read so far
-        # Set by the one cleanup (service.close) once it started; the request log waits
-        # for it, so it is written with the engine's count.
-        self.closing: asyncio.Future | None = None
         self._expected_seq = 0
         # No final event will come: cancelled while queued before any engine read it, or
         # its engine is gone (another engine's recovery settles it later).

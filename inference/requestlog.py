@@ -1,10 +1,10 @@
 """The inference API's side of request logs: follow a request, log it when it ends.
 
-A `Trace` is opened once the caller is authenticated (before that there is no
-tenant to log for) and learns the body, the prepared request, the dispatch and
-the outcome as the view or websocket consumer gets them; a streamed response
-is followed chunk by chunk through `observe`. When the request ends, however it
-ends, `submit` hands it to a background task that builds the entry (decoding a
+A `Trace` is opened with the request's run (inference/pipeline.py) once the caller is
+authenticated (before that there is no tenant to log for) and learns the body, the
+prepared request, the dispatch and the outcome as the run gets them; a streamed response
+is recorded chunk by chunk. When the run ends, however it ends, after its engine's usage
+is known, `submit` hands it to a background task that builds the entry (decoding a
 token-id prompt, reading timings) and writes it, with the others ending meanwhile, in
 one transaction on a thread of its own: redaction and the ORM never run on the event
 loop, and no response waits for them.
@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from typing import Any
 
 from django.db import connection
@@ -34,8 +32,6 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's "client closed request": the caller went away first
 _pending: set[asyncio.Task] = set()
 _BACKLOG_WARNING = 1000
-# Longer than a request's cleanup waits for the engine's final event (FINAL_WAIT_S).
-_CLOSE_WAIT_S = 5.0
 
 
 def _ms(seconds: Any) -> int | None:
@@ -61,7 +57,6 @@ class Trace:
         self.finish_reason = ""
         # Each choice's text (and tool calls), by index: the log keeps every choice.
         self.parts: dict[int, list[str]] = {}
-        self._streamed = False
         self._submitted = False
 
     # --- what happened ---------------------------------------------------------------------
@@ -108,40 +103,20 @@ class Trace:
         if self.status is None:
             self.status = 200
 
-    def observe(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-        """Passes a stream's chunks through, and logs the request when the stream ends."""
-        self._streamed = True
-        return self._observe(chunks)
+    def record_chunk(self, chunk: dict[str, Any] | None) -> None:
+        """A streamed chunk (None: idle): its text and tool calls, and the first choice's
+        finish reason."""
+        for choice in (chunk or {}).get("choices") or ():
+            text = (choice.get("delta") or {}).get("content") \
+                if "delta" in choice else choice.get("text")
+            self._add(choice, text)
+            if choice.get("finish_reason") and not choice.get("index"):
+                self.finish_reason = choice["finish_reason"]
 
-    async def _observe(self, chunks: AsyncIterator[dict[str, Any]]
-                       ) -> AsyncIterator[dict[str, Any]]:
-        try:
-            # NOTE: closed here, not left to the garbage collector: the stream's cleanup
-            # (which learns the engine's final usage) runs before the log is submitted.
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    for choice in (chunk or {}).get("choices") or ():  # None: idle
-                        text = (choice.get("delta") or {}).get("content") \
-                            if "delta" in choice else choice.get("text")
-                        self._add(choice, text)
-                        if choice.get("finish_reason") and not choice.get("index"):
-                            self.finish_reason = choice["finish_reason"]
-                    yield chunk
-            if self.status is None:
-                self.status = 200
-        except (asyncio.CancelledError, GeneratorExit):
-            self.cancel()
-            raise
-        except BaseException as exc:
-            self.fail(exc)
-            raise
-        finally:
-            self.submit()
-
-    def close(self) -> None:
-        """The view or consumer is done with the request; a stream logs it when it ends."""
-        if not self._streamed:
-            self.submit()
+    def answered(self) -> None:
+        """A stream that ran to its end (the first outcome recorded is kept)."""
+        if self.status is None:
+            self.status = 200
 
     # --- the log entry ---------------------------------------------------------------------
 
@@ -264,10 +239,6 @@ _thread = ThreadPoolExecutor(1, thread_name_prefix="request-log")
 
 async def _write(trace: Trace) -> None:
     global _writer
-    closing = getattr(trace.dispatch, "closing", None)
-    if closing is not None:
-        # The request's cleanup learns the engine's usage, the count billing gets.
-        await asyncio.wait([closing], timeout=_CLOSE_WAIT_S)
     try:
         telemetry.request_ended(trace)
     except Exception:  # noqa: BLE001 - metrics must never cost the log entry

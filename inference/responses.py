@@ -1,7 +1,7 @@
 """Engine events as OpenAI objects: stream chunks or one whole response, per choice.
 
-Shared by the JSON view, SSE and the websocket. Every way out runs the request's one
-cleanup (``service.close``): the engine's work stopped, its usage awaited, quotas settled.
+Shared by every entry point; formatting only: the request's run (inference/pipeline.py)
+drives these and ends the request however they end.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 
 from core.served_models import ServedModel
 from engine import protocol
-from inference import admission as quota
 from inference.dispatch import Dispatch
 from inference.errors import (
     DeadlineExceeded,
@@ -23,7 +22,7 @@ from inference.errors import (
     ServiceUnavailable,
 )
 from inference.logprobs import CompletionLogprobs, TokenTexts, chat_entries, merge_completion
-from inference.service import Prepared, close
+from inference.service import Prepared
 from inference.tools import Delta, ForcedToolCallStream, ToolCall, parser_for
 
 
@@ -206,41 +205,36 @@ def _final_reasons(data: dict[str, Any]) -> dict[int, tuple[str, float]]:
     return reasons
 
 
-async def stream_chunks(prepared: Prepared, dispatch: Dispatch,
-                        admission: quota.Admission | None = None
+async def stream_chunks(prepared: Prepared, dispatch: Dispatch
                         ) -> AsyncIterator[dict[str, Any] | None]:
-    """OpenAI stream chunks, and None after each second with nothing to send; cancels the
-    engine's work if the consumer goes away."""
+    """OpenAI stream chunks, and None after each second with nothing to send."""
     writer = _ChunkWriter(prepared)
     # NOTE: a stream has no best_of above n: the engine's choices are the client's.
     choices = {i: _Choice(prepared, i) for i in range(prepared.num_prompts * prepared.params.n)}
-    try:
-        for i in choices:
-            if prepared.kind == "chat":
-                yield writer.chunk(role=True, index=i)
-            elif prepared.echo:
-                yield writer.chunk(text=prepared.echo[i // prepared.params.n], index=i)
-        async for event in dispatch.events():
-            if event is None:
-                yield None  # idle: the SSE writer decides on a keep-alive
-            elif event.type == protocol.EV_DELTA:
-                choice = choices[int(event.data.get("index", 0))]
-                logprobs = choice.logprobs_of(event.data)
-                for chunk in _chunks(writer, choice, choice.add(event.data), logprobs):
+    for i in choices:
+        if prepared.kind == "chat":
+            yield writer.chunk(role=True, index=i)
+        elif prepared.echo:
+            yield writer.chunk(text=prepared.echo[i // prepared.params.n], index=i)
+    async for event in dispatch.events():
+        if event is None:
+            yield None  # idle: the SSE writer decides on a keep-alive
+        elif event.type == protocol.EV_DELTA:
+            choice = choices[int(event.data.get("index", 0))]
+            logprobs = choice.logprobs_of(event.data)
+            for chunk in _chunks(writer, choice, choice.add(event.data), logprobs):
+                yield chunk
+        elif event.is_final:
+            raise_for_final(event)
+            reasons = _final_reasons(event.data)
+            for i, choice in choices.items():
+                for chunk in _chunks(writer, choice, choice.finish(), None):
                     yield chunk
-            elif event.is_final:
-                raise_for_final(event)
-                reasons = _final_reasons(event.data)
-                for i, choice in choices.items():
-                    for chunk in _chunks(writer, choice, choice.finish(), None):
-                        yield chunk
-                    yield writer.chunk(finish_reason=choice.finish_reason(reasons[i][0]),
-                                       text="" if prepared.kind == "completion" else None,
-                                       index=i)
-                if prepared.params.include_usage:
-                    yield writer.usage_chunk(usage_object(event.data.get("usage") or {}))
-    finally:
-        await close(prepared, dispatch, admission)
+                yield writer.chunk(finish_reason=choice.finish_reason(reasons[i][0]),
+                                   text="" if prepared.kind == "completion" else None,
+                                   index=i)
+            if prepared.params.include_usage:
+                yield writer.usage_chunk(usage_object(event.data.get("usage") or {}))
 
 
 def _chunks(writer: _ChunkWriter, choice: _Choice, deltas: list[Delta],
@@ -256,27 +250,23 @@ def _chunks(writer: _ChunkWriter, choice: _Choice, deltas: list[Delta],
     return out
 
 
-async def collect(prepared: Prepared, dispatch: Dispatch,
-                  admission: quota.Admission | None = None) -> dict[str, Any]:
+async def collect(prepared: Prepared, dispatch: Dispatch) -> dict[str, Any]:
     """The whole (non-streaming) response object. With ``best_of``, the ``n`` choices of
     the highest cumulative logprob, renumbered from 0."""
     generated = prepared.params.best_of
     choices = {i: _Choice(prepared, i) for i in range(prepared.num_prompts * generated)}
-    try:
-        async for event in dispatch.events():
-            if event is None:
-                continue
-            if event.type == protocol.EV_DELTA:
-                choice = choices[int(event.data.get("index", 0))]
-                choice.logprobs_of(event.data)
-                choice.add(event.data)
-            elif event.is_final:
-                raise_for_final(event)
-                for choice in choices.values():
-                    choice.finish()
-                final = event
-    finally:
-        await close(prepared, dispatch, admission)
+    async for event in dispatch.events():
+        if event is None:
+            continue
+        if event.type == protocol.EV_DELTA:
+            choice = choices[int(event.data.get("index", 0))]
+            choice.logprobs_of(event.data)
+            choice.add(event.data)
+        elif event.is_final:
+            raise_for_final(event)
+            for choice in choices.values():
+                choice.finish()
+            final = event
     reasons = _final_reasons(final.data)
     kept = []  # per prompt, in order: its n most likely of the best_of generated
     for start in range(0, len(choices), generated):

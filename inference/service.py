@@ -1,10 +1,12 @@
-"""Inference requests from parsed body to OpenAI objects, shared by HTTP and websocket.
+"""The steps of an inference request that inference/pipeline.py's `Run` takes in order,
+and the models a caller may name.
 
-`prepare` is synchronous and pure (parse, tokenize, check limits); `admit` takes
-the request's share of its tenant's and key's quotas; `open_dispatch` queues the
-request; `stream_chunks` and `collect` turn engine events into OpenAI chunk
-objects or a whole response, and clean up (`close`: stop the engine's work, learn
-its usage, settle the quotas) however they end.
+`precheck` refuses a caller at a limit before any parsing; `prepare` (synchronous: it
+reads adapters from the database and tokenizes, so it runs off the event loop) parses
+the body, resolves the model, tokenizes and checks limits; `admit` takes the request's
+share of its tenant's and key's quotas and budgets; `release` settles them with what the
+request used, retried in the background while Redis is out of reach. `model_objects` and
+`model_object` answer `/v1/models`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import redis
 from django.conf import settings
 
 from adapters.facade import (
@@ -35,7 +36,7 @@ from core.served_models import ChatTemplateError, ServedModel, served_models
 from engine import protocol
 from inference import admission as quota
 from inference import params as p
-from inference.dispatch import FINAL_WAIT_S, Dispatch
+from inference.dispatch import Dispatch
 from inference.errors import (
     AdapterNotReady,
     ContextLengthExceeded,
@@ -43,7 +44,6 @@ from inference.errors import (
     ModelNotFound,
     ServiceUnavailable,
 )
-from inference.relay import Subscription
 from inference.tools import ToolRequest, check_tool_support
 from tenants.facade import Principal
 
@@ -366,62 +366,3 @@ async def _settle_later(admission: quota.Admission, used: int, cost: int) -> Non
             delay = min(delay * 2, SETTLE_RETRY_MAX_S)
     log.warning("gave up settling request %s; its slot expired with its lease",
                 admission.request_id)
-
-
-async def close(prepared: Prepared, dispatch: Dispatch,
-                admission: quota.Admission | None) -> None:
-    """A dispatched request's one cleanup, however it ended: the engine's work is stopped
-    if it still runs, the engine's final usage awaited (the count billing gets, so the
-    quota and the request log settle with the same one), the quota settled.
-
-    Runs once, shielded: a second cancellation (the socket closing too) does not cut it
-    short; the request log waits for it (requestlog.py).
-    """
-    if dispatch.closing is None:
-        dispatch.closing = asyncio.ensure_future(_close(prepared, dispatch, admission))
-        dispatch.closing.add_done_callback(_log_failed_close)
-    try:
-        await asyncio.shield(dispatch.closing)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - logged by _log_failed_close
-        # NOTE: a cleanup that failed (Redis away: the engine stops on its own) must not
-        # replace how the request ended: the client still gets its error event.
-        pass
-
-
-def _log_failed_close(closing: asyncio.Future) -> None:
-    # NOTE: read here too: its awaiter may have been cancelled and never read it.
-    if closing.cancelled() or (error := closing.exception()) is None:
-        return
-    if isinstance(error, redis.RedisError):  # an outage: the engine stops on its own
-        log.warning("cleaning up a request failed: Redis is unreachable (%s)", error)
-    else:
-        log.warning("cleaning up a request failed", exc_info=error)
-
-
-async def _close(prepared: Prepared, dispatch: Dispatch,
-                 admission: quota.Admission | None) -> None:
-    try:
-        if not dispatch.final_read:
-            await dispatch.cancel()
-            await dispatch.wait_final(FINAL_WAIT_S)
-    finally:
-        dispatch.subscription.close()
-        await release(prepared, admission, dispatch)
-
-
-async def open_dispatch(prepared: Prepared, subscription: Subscription) -> Dispatch:
-    """Queues the request; raises NoEngineAvailable at once when no engine is alive."""
-    dispatch = Dispatch(async_client(), prepared.engine_request,
-                        deadline=prepared.engine_request.deadline or time.time(),
-                        subscription=subscription)
-    await dispatch.submit(prepared.session)
-    return dispatch
-
-
-async def abandon(prepared: Prepared, dispatch: Dispatch,
-                  admission: quota.Admission | None) -> None:
-    """A dispatched request whose response will never be read: cleaned up as a stream's
-    own cleanup would."""
-    await close(prepared, dispatch, admission)

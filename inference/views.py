@@ -16,7 +16,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from core.metrics import OPEN_STREAMS
-from inference import pipeline, requestlog, responses, service, telemetry
+from inference import pipeline, service, telemetry
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
 
@@ -83,7 +83,8 @@ async def _sse(chunks: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[by
 class EventStream(StreamingHttpResponse):
     """An SSE response that cleans up after a stream Django stopped reading.
 
-    A stream's own generators free its engine work, quota and log entry when they end.
+    A stream's run (inference/pipeline.py) frees its engine work, quota and log entry when
+    the stream ends.
     Two ends would skip that: a client that hangs up after the view returned and before
     the server began sending (Django closes the response with its generators never
     started), and a stream Django stops reading midway without a cancellation reaching
@@ -134,45 +135,20 @@ class EventStream(StreamingHttpResponse):
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
     span = telemetry.request_span(request.headers, f"{request.method} {request.path}")
     principal = await authenticate(request.headers.get("Authorization"), span=span)
-    # Every authenticated request is logged when it ends (requestlog.py), however it ends.
-    trace = requestlog.Trace(principal, kind, transport="http", span=span)
-    try:
-        return await _serve(request, kind, trace)
-    except asyncio.CancelledError:
-        trace.cancel()
-        raise
-    except BaseException as exc:
-        trace.fail(exc)
-        raise
-    finally:
-        trace.close()
-
-
-async def _serve(request: HttpRequest, kind: service.Kind,
-                 trace: requestlog.Trace) -> HttpResponse:
-    trace.body = json_body(request)
-    started = await pipeline.start(trace, session=request.headers.get("x-session-id"))
-    prepared, dispatch, admission = started.prepared, started.dispatch, started.admission
-    try:
-        if prepared.params.stream:
-            # The stream's own cleanup settles the admission when it ends, however it ends;
-            # a stream never started is cleaned up when Django closes the response.
-            async def unsent() -> None:
-                trace.cancel()
-                try:
-                    await service.abandon(prepared, dispatch, admission)
-                finally:
-                    trace.submit()
-
-            return EventStream(
-                _sse(trace.observe(responses.stream_chunks(prepared, dispatch, admission))),
-                on_unsent=unsent, headers=started.headers)
-        result = await responses.collect(prepared, dispatch, admission)
-        trace.completed(result)
-        return JsonResponse(result, headers=started.headers)
-    except ApiError as exc:
-        exc.headers = {**started.headers, **exc.headers}
-        raise
+    # Every authenticated request is logged when its run ends, however it ends.
+    async with pipeline.Run(principal, kind, transport="http", span=span) as run:
+        run.body = json_body(request)
+        started = await run.start(session=request.headers.get("x-session-id"))
+        try:
+            if started.prepared.params.stream:
+                # The stream ends the run when it ends, however it ends; a stream never
+                # started is abandoned when Django closes the response.
+                return EventStream(_sse(run.stream()), on_unsent=run.abandon,
+                                   headers=started.headers)
+            return JsonResponse(await run.collect(), headers=started.headers)
+        except ApiError as exc:
+            exc.headers = {**started.headers, **exc.headers}
+            raise
 
 
 @api_view("POST")
