@@ -34,12 +34,11 @@ from billing.money import from_micros, to_cents
 from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
 from core.metrics import ADMISSION_REJECTIONS
 from inference.errors import TooLargeForRateLimit
+from inference.scripts import ADMIT
 from tenants.principals import Principal  # the facade's dataclass; importable without Django
 
 _HERE = Path(__file__).parent
-ADMIT_LUA = (_HERE / "admit.lua").read_text()
 SETTLE_LUA = (_HERE / "settle.lua").read_text()
-_ADMIT_SHA = hashlib.sha1(ADMIT_LUA.encode()).hexdigest()
 _SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()
 
 # Seconds after a request's deadline that its in-flight slot is kept if never released.
@@ -231,12 +230,10 @@ def _level_keys(principal: Principal, month: str) -> tuple[list[str], list[str]]
     return tenant, key
 
 
-def _limit_args(principal: Principal) -> list[int]:
-    out = []
-    for limits in (principal.tenant_limits, principal.key_limits):
-        out += [limits.requests_per_minute or 0, limits.tokens_per_minute or 0,
-                limits.max_concurrent_requests or 0, limits.monthly_token_cap or 0]
-    return out
+def _limits(principal: Principal, field: str) -> list[int]:
+    """Each level's limit ``field`` (0: none): the tenant's, then the key's."""
+    return [getattr(limits, field) or 0
+            for limits in (principal.tenant_limits, principal.key_limits)]
 
 
 async def _run(client: aioredis.Redis, sha: str, source: str, keys: list[str],
@@ -286,11 +283,19 @@ def _script_args(principal: Principal, *, request_id: str, cost: int, cost_micro
                  end_user: str | None) -> tuple[list, list]:
     month, month_reset_ms = month_window()
     tenant_keys, key_keys = _level_keys(principal, month)
-    keys = [*tenant_keys, *key_keys, budgets.defs_key(principal.tenant_id),
-            budgets.alerts_key(principal.tenant_id), *slots.keys]
-    args = [request_id, cost, lease_ms, month_reset_ms, *_limit_args(principal), int(probe),
-            cost_micros, *slots.fields, *slots.user_defaults, *slots.resets_ms, end_user or ""]
-    return keys, args
+    levels = list(zip(tenant_keys, key_keys, strict=True))
+    return ADMIT.build(
+        rpm_keys=levels[0], tpm_keys=levels[1], inflight_keys=levels[2],
+        month_keys=levels[3], budget_defs_key=budgets.defs_key(principal.tenant_id),
+        budget_alerts_key=budgets.alerts_key(principal.tenant_id), window_keys=slots.keys,
+        request_id=request_id, tokens=cost, lease_ms=lease_ms, month_reset_ms=month_reset_ms,
+        rpm_limits=_limits(principal, "requests_per_minute"),
+        tpm_limits=_limits(principal, "tokens_per_minute"),
+        concurrency_limits=_limits(principal, "max_concurrent_requests"),
+        month_caps=_limits(principal, "monthly_token_cap"), probe=int(probe),
+        cost_micros=cost_micros, window_fields=slots.fields,
+        end_user_fields=slots.user_defaults, window_resets=slots.resets_ms,
+        end_user=end_user or "")
 
 
 async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str,
@@ -310,7 +315,7 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
     keys, args = _script_args(principal, request_id=request_id, cost=cost,
                               cost_micros=cost_micros, lease_ms=int(lease_s * 1000),
                               probe=False, slots=slots, end_user=end_user)
-    reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
+    reply = [int(x) for x in await _run(client, ADMIT.sha, ADMIT.source, keys, args)]
     (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply[:11]
     state = RateLimitState(rl, rr, rreset, tl, tr, treset)
     windows = _budget_windows(reply, slots)
@@ -336,7 +341,7 @@ async def precheck(client: aioredis.Redis, *, principal: Principal,
     # One token and one micro-unit: the least any request costs.
     keys, args = _script_args(principal, request_id="", cost=1, cost_micros=1, lease_ms=0,
                               probe=True, slots=slots, end_user=end_user)
-    reply = [int(x) for x in await _run(client, _ADMIT_SHA, ADMIT_LUA, keys, args)]
+    reply = [int(x) for x in await _run(client, ADMIT.sha, ADMIT.source, keys, args)]
     (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply[:11]
     state = RateLimitState(rl, rr, rreset, tl, tr, treset)
     if not ok:

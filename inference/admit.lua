@@ -1,18 +1,10 @@
 -- Admission of one inference request against its tenant's and its key's limits and every
 -- budget that applies to it, atomically: all are taken, or none.
 --
--- KEYS (per level L = tenant, then key): [1..8] rpm_L, tpm_L, inflight_L, month_L;
---   [9] the tenant's budget definitions, [10] its budget alerts, [11..16] the budget windows
---   (tenant, key, end user) x (day, month) (billing/budgets.py). All share the tenant's hash
---   tag, so one Redis Cluster slot.
--- ARGV: [1] request id, [2] tokens to reserve (prompt + max_tokens), [3] lease ms (how long
---   an in-flight slot lives if it is never released), [4] unix ms when the month resets,
---   [5..8] tenant limits rpm, tpm, concurrent, monthly tokens, [9..12] the key's (0: none),
---   [13] 1 to only check (a pre-check before the prompt is tokenized: refuses what no
---   request could pass now, takes nothing), [14] the spend to reserve (micro-units: the
---   request's largest possible cost), [15..20] each window's definition field ('' : none),
---   [21..22] the each-end-user definitions (day, month) for windows 5 and 6, [23..28] each
---   window's end (unix ms), [29] the request's end user ('' : none; named in alerts).
+-- Inputs: by name, from inference/scripts.py's ADMIT (which says what each is); a table
+--   for several: each level's (1 tenant, 2 key), each budget window's (1..6: (tenant, key,
+--   end user) x (day, month), billing/budgets.py). All keys share the tenant's hash tag,
+--   so one Redis Cluster slot.
 -- Buckets are GCRA: a bucket stores its theoretical arrival time (TAT, unix ms); a limit of
 --   N per minute spends 60000/N ms of TAT per unit and admits while TAT - now <= 60000.
 -- Budgets reserve: a window holds spent (s, t) and reserved (rs, rt) spend and tokens, and
@@ -30,34 +22,33 @@
 local WINDOW = 60000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local request_id = ARGV[1]
-local cost = tonumber(ARGV[2])
-local lease = tonumber(ARGV[3])
-local month_reset = tonumber(ARGV[4])
+local cost = tonumber(tokens)
+local lease = tonumber(lease_ms)
+local month_reset = tonumber(month_reset_ms)
 
 local levels = {}
-for i = 0, 1 do
-  local k, a = i * 4, 5 + i * 4
-  levels[i + 1] = {
-    rpm_key = KEYS[k + 1], tpm_key = KEYS[k + 2], inflight_key = KEYS[k + 3],
-    month_key = KEYS[k + 4],
-    rpm = tonumber(ARGV[a]), tpm = tonumber(ARGV[a + 1]),
-    conc = tonumber(ARGV[a + 2]), cap = tonumber(ARGV[a + 3]),
+for i = 1, 2 do
+  levels[i] = {
+    rpm_key = rpm_keys[i], tpm_key = tpm_keys[i], inflight_key = inflight_keys[i],
+    month_key = month_keys[i],
+    rpm = tonumber(rpm_limits[i]), tpm = tonumber(tpm_limits[i]),
+    conc = tonumber(concurrency_limits[i]), cap = tonumber(month_caps[i]),
   }
 end
 
 -- The budget windows with a definition for this request.
-local cost_micros = tonumber(ARGV[14])
+local reserve_micros = tonumber(cost_micros)
 local budgets = {}
-local defs = redis.call('HMGET', KEYS[9], ARGV[15], ARGV[16], ARGV[17], ARGV[18], ARGV[19],
-                        ARGV[20], ARGV[21], ARGV[22])
+local defs = redis.call('HMGET', budget_defs_key, window_fields[1], window_fields[2],
+                        window_fields[3], window_fields[4], window_fields[5],
+                        window_fields[6], end_user_fields[1], end_user_fields[2])
 for i = 1, 6 do
   local def = defs[i]
-  if not def and i >= 5 and ARGV[14 + i] ~= '' then def = defs[i + 2] end
+  if not def and i >= 5 and window_fields[i] ~= '' then def = defs[i + 2] end
   if def then
-    local id, spend, tokens = string.match(def, '^(%S+) (%S+) (%S+)$')
-    budgets[#budgets + 1] = {slot = i, key = KEYS[10 + i], id = id, spend = tonumber(spend),
-                             tokens = tonumber(tokens), reset = tonumber(ARGV[22 + i])}
+    local id, spend, limit = string.match(def, '^(%S+) (%S+) (%S+)$')
+    budgets[#budgets + 1] = {slot = i, key = window_keys[i], id = id, spend = tonumber(spend),
+                             tokens = tonumber(limit), reset = tonumber(window_resets[i])}
   end
 end
 
@@ -69,7 +60,7 @@ end
 
 -- 0 when the reservation fits the window, 1 when it passes the spend limit, 2 the tokens.
 local function over(b)
-  if b.spend >= 0 and b.s + b.rs + cost_micros > b.spend then return 1 end
+  if b.spend >= 0 and b.s + b.rs + reserve_micros > b.spend then return 1 end
   if b.tokens >= 0 and b.t + b.rt + cost > b.tokens then return 2 end
   return 0
 end
@@ -95,8 +86,8 @@ local function exhausted(b)
   if tonumber(redis.call('HGET', b.key, 'a') or '0') < 100 then
     redis.call('HSET', b.key, 'a', 100)
     redis.call('PEXPIREAT', b.key, b.reset + 7 * 86400000)
-    redis.call('SADD', KEYS[10], table.concat({b.id, b.key, 100, b.s, b.t, now, ARGV[29]},
-                                              '|'))
+    redis.call('SADD', budget_alerts_key,
+               table.concat({b.id, b.key, 100, b.s, b.t, now, end_user}, '|'))
   end
 end
 
@@ -193,7 +184,7 @@ if failed then
                 tok.limit, tok.remaining, math.ceil(tok.reset)})
 end
 
-if tonumber(ARGV[13]) == 1 then
+if tonumber(probe) == 1 then
   -- A probe takes nothing: it reports where the caller stands now.
   for _, lv in ipairs(levels) do
     if lv.rpm > 0 then report(req, lv.rpm, standing(lv.rpm, lv.rpm_tat)) end
@@ -224,12 +215,12 @@ for _, lv in ipairs(levels) do
   redis.call('PEXPIREAT', lv.month_key, month_reset + 7 * 86400000)
 end
 for _, b in ipairs(budgets) do
-  redis.call('HINCRBY', b.key, 'rs', cost_micros)
+  redis.call('HINCRBY', b.key, 'rs', reserve_micros)
   redis.call('HINCRBY', b.key, 'rt', cost)
   redis.call('HSET', b.key, 'h:' .. request_id,
-             table.concat({cost_micros, cost, now + lease}, ' '))
+             table.concat({reserve_micros, cost, now + lease}, ' '))
   redis.call('PEXPIREAT', b.key, b.reset + 7 * 86400000)
-  b.rs, b.rt = b.rs + cost_micros, b.rt + cost
+  b.rs, b.rt = b.rs + reserve_micros, b.rt + cost
 end
 
 return reply({1, 0, 0, 0, 0, req.limit, req.remaining, math.ceil(req.reset),
