@@ -7,10 +7,12 @@ from datetime import UTC, date, datetime
 from celery import shared_task
 
 from batches import services as batch_services
+from batches.tasknames import BATCH_RUN
 from billing.selectors import tokens_used_between
 from core.redis import sync_client
 from engine import protocol
 from inference import admission as quota
+from inference import tasknames
 from tenants.facade import api_key_lineages
 
 RECONCILE_BATCH = 500  # counters per script call
@@ -30,14 +32,14 @@ return raised
 """
 
 
-@shared_task(name="inference.tasks.engines_prune")
+@shared_task(name=tasknames.ENGINES_PRUNE)
 def engines_prune() -> int:
     """Drops engines whose heartbeat stopped from the liveness set; returns how many."""
     cutoff = time.time() - 10 * protocol.HEARTBEAT_TTL_S
     return sync_client().zremrangebyscore(protocol.ENGINES_ZSET, "-inf", cutoff)
 
 
-@shared_task(name="inference.tasks.quota_reconcile")
+@shared_task(name=tasknames.QUOTA_RECONCILE)
 def quota_reconcile() -> int:
     """Rebuilds this month's token counters from the ledger where Redis lost them (a
     restart without persistence, a flush): each tenant's and key's counter is raised to
@@ -72,7 +74,7 @@ def quota_reconcile() -> int:
     return raised
 
 
-@shared_task(name=batch_services.BATCH_RUN, acks_late=True)
+@shared_task(name=BATCH_RUN, acks_late=True)
 def batch_run(batch_id: str) -> str:
     """Runs a batch's pending lines (on the ``batches`` queue: a batch runs for minutes or
     hours and must not hold up the ledger's tasks)."""
@@ -81,7 +83,7 @@ def batch_run(batch_id: str) -> str:
     return asyncio.run(run_batch(batch_id))
 
 
-@shared_task(name="inference.tasks.batches_resume")
+@shared_task(name=tasknames.BATCHES_RESUME)
 def batches_resume() -> int:
     """Starts a runner for each active batch whose runner died."""
     return batch_services.batches_resume()

@@ -14,9 +14,9 @@ from batches import lines as batch_lines
 from batches.models import Batch, File
 from batches.services import limits
 from batches.services.files import file_get, new_id
+from batches.tasknames import BATCH_RUN
 from core.errors import Conflict, InvalidRequest, NotFound
 
-BATCH_RUN = "inference.tasks.batch_run"
 WINDOWS = {"24h": timedelta(hours=24)}
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adapters import queue as adapter_tasks
+from batches import tasknames as batch_tasks
+from billing import queue as billing_tasks
+
 
 @dataclass(frozen=True, slots=True)
 class Lane:
@@ -37,9 +41,9 @@ ALL_QUEUES = tuple(q for lane in LANES.values() for q in lane.queues)
 
 # Task name -> its queue; a task not named here goes to "celery" (the core lane).
 ROUTES = {name: {"queue": queue} for queue, names in {
-    "alerts": ("billing.tasks.budget_alerts", "billing.tasks.budget_alert_email"),
-    "webhooks": ("billing.tasks.webhook_deliver", "billing.tasks.webhooks_due"),
-    "exports": ("billing.tasks.export_build",),
-    "adapters": ("adapters.tasks.adapter_validate",),
-    "batches": ("inference.tasks.batch_run",),
+    "alerts": (billing_tasks.BUDGET_ALERTS, billing_tasks.BUDGET_ALERT_EMAIL),
+    "webhooks": (billing_tasks.WEBHOOK_DELIVER, billing_tasks.WEBHOOKS_DUE),
+    "exports": (billing_tasks.EXPORT_BUILD,),
+    "adapters": (adapter_tasks.ADAPTER_VALIDATE,),
+    "batches": (batch_tasks.BATCH_RUN,),
 }.items() for name in names}

@@ -16,10 +16,14 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from adapters import queue as adapter_tasks
 from atrium import lanes
 from atrium.celery import REDIS_SCHEMES, celery_redis_url
-from batches.tasknames import FILES_EXPIRE
+from batches import tasknames as batch_tasks
+from billing import queue as billing_tasks
 from engine.redis_connect import RedisTarget
+from inference import tasknames as inference_tasks
+from requestlogs.tasknames import REQUEST_LOGS_EXPIRE
 
 BASE_DIR = Path(__file__).resolve().parent
 ENVIRONMENT = os.environ.get("ATRIUM_ENV", "development")
@@ -365,20 +369,19 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # Celery keeps its hands off the root logger: LOGGING below (JSON, redacted) stays in force.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
-    "engines-prune": {"task": "inference.tasks.engines_prune", "schedule": 30.0},
-    "quota-reconcile": {"task": "inference.tasks.quota_reconcile", "schedule": 60.0},
-    "usage-ingest": {"task": "billing.tasks.usage_ingest", "schedule": 2.0},
-    "spend-reconcile": {"task": "billing.tasks.spend_reconcile", "schedule": 60.0},
-    "budgets-reconcile": {"task": "billing.tasks.budgets_reconcile", "schedule": 60.0},
-    "batches-resume": {"task": "inference.tasks.batches_resume", "schedule": 30.0},
-    "files-expire": {"task": FILES_EXPIRE, "schedule": 600.0},
-    "budget-alerts": {"task": "billing.tasks.budget_alerts", "schedule": 10.0},
-    "webhooks-due": {"task": "billing.tasks.webhooks_due", "schedule": 5.0},
-    "invoices-close": {"task": "billing.tasks.invoices_close", "schedule": 600.0},
-    "billing-exports-expire": {"task": "billing.tasks.exports_expire", "schedule": 3600.0},
-    "request-logs-expire": {"task": "requestlogs.tasks.request_logs_expire",
-                            "schedule": 3600.0},
-    "adapter-uploads-expire": {"task": "adapters.tasks.adapter_uploads_expire",
+    "engines-prune": {"task": inference_tasks.ENGINES_PRUNE, "schedule": 30.0},
+    "quota-reconcile": {"task": inference_tasks.QUOTA_RECONCILE, "schedule": 60.0},
+    "usage-ingest": {"task": billing_tasks.USAGE_INGEST, "schedule": 2.0},
+    "spend-reconcile": {"task": billing_tasks.SPEND_RECONCILE, "schedule": 60.0},
+    "budgets-reconcile": {"task": billing_tasks.BUDGETS_RECONCILE, "schedule": 60.0},
+    "batches-resume": {"task": inference_tasks.BATCHES_RESUME, "schedule": 30.0},
+    "files-expire": {"task": batch_tasks.FILES_EXPIRE, "schedule": 600.0},
+    "budget-alerts": {"task": billing_tasks.BUDGET_ALERTS, "schedule": 10.0},
+    "webhooks-due": {"task": billing_tasks.WEBHOOKS_DUE, "schedule": 5.0},
+    "invoices-close": {"task": billing_tasks.INVOICES_CLOSE, "schedule": 600.0},
+    "billing-exports-expire": {"task": billing_tasks.EXPORTS_EXPIRE, "schedule": 3600.0},
+    "request-logs-expire": {"task": REQUEST_LOGS_EXPIRE, "schedule": 3600.0},
+    "adapter-uploads-expire": {"task": adapter_tasks.ADAPTER_UPLOADS_EXPIRE,
                                "schedule": 3600.0},
 }
 

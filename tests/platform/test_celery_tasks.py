@@ -18,7 +18,7 @@ def test_every_scheduled_and_routed_task_is_registered_in_the_worker(tmp_path):
     from django.conf import settings
 
     from adapters import queue as adapter_queue
-    from batches import services as batch_services
+    from batches import tasknames as batch_tasks
     from billing import queue as billing_queue
 
     env = {**os.environ, "ATRIUM_HOME": str(tmp_path),
@@ -28,7 +28,7 @@ def test_every_scheduled_and_routed_task_is_registered_in_the_worker(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     known = set(json.loads(done.stdout.splitlines()[-1]))
     scheduled = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
-    queued = {batch_services.BATCH_RUN, adapter_queue.ADAPTER_VALIDATE,
+    queued = {batch_tasks.BATCH_RUN, adapter_queue.ADAPTER_VALIDATE,
               billing_queue.EXPORT_BUILD, billing_queue.WEBHOOK_DELIVER,
               *settings.CELERY_TASK_ROUTES}
     assert scheduled | queued <= known, sorted((scheduled | queued) - known)
