@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import protocol
-from engine.outputs import RequestOutput, Usage
+from engine.outputs import PlainEngine, RequestOutput, Usage
 from engine.worker import WorkerConfig, run_worker
 
 TOKEN_ID = 7
@@ -40,7 +40,7 @@ class _Running:
     first_at: float | None = None
 
 
-class PacedEngine:
+class PacedEngine(PlainEngine):
     """The EngineCore interface (engine/outputs.py) at a fixed pace, without a model."""
 
     def __init__(self, tokens_per_s: float, *, lockstep: bool = False) -> None:

@@ -67,3 +67,26 @@ class EngineCore(Protocol):
         """How many more requests the worker may read from Redis and hand over now."""
 
     def step(self) -> list[RequestOutput]: ...
+
+    def forget_adapter(self, adapter_hash: str) -> None:
+        """The platform deleted this adapter: let go of it wherever nothing still uses it."""
+
+    def placement(self) -> dict[str, Any]:
+        """What the web tier places requests by (inference/routing.py); {}: nothing."""
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """Everything the heartbeat carries and Prometheus exports; None: no metrics."""
+
+
+class PlainEngine:
+    """The parts of EngineCore an engine without adapters, placement hints or metrics
+    answers alike (the reference engine, and the test and benchmark engines)."""
+
+    def forget_adapter(self, adapter_hash: str) -> None:
+        return None
+
+    def placement(self) -> dict[str, Any]:
+        return {}
+
+    def snapshot(self) -> dict[str, Any] | None:
+        return None

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from engine import protocol
 from engine.config import eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestOutput, Usage
+from engine.outputs import PlainEngine, RequestOutput, Usage
 from engine.sampler import sample, shape_logits, token_logprobs
 from engine.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ class _Active:
     output_ids: list[int] = field(default_factory=list)
 
 
-class ReferenceEngine:
+class ReferenceEngine(PlainEngine):
     """Runs requests FIFO, one forward pass per ``step()`` (prefill or one decode token)."""
 
     def __init__(self, model_dir: Path | str, *, device: str | torch.device = "cpu",

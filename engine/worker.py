@@ -231,16 +231,13 @@ class Worker:
 
     def read_adapter_events(self) -> None:
         """Adapters the platform deleted since the last look: the engine lets go of them."""
-        forget = getattr(self.engine, "forget_adapter", None)
-        if forget is None:
-            return
         reply = self.client.xread({protocol.ADAPTER_EVENTS_STREAM: self._adapter_events_id},
                                   count=1000)
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._adapter_events_id = entry_id
                 if fields.get(b"type") == b"deleted":
-                    forget(fields.get(b"adapter_hash", b"").decode())
+                    self.engine.forget_adapter(fields.get(b"adapter_hash", b"").decode())
 
     def heartbeat(self) -> None:
         now = time.time()
@@ -270,16 +267,14 @@ class Worker:
 
     def placement(self) -> dict[str, Any]:
         """What the web tier places by; ``stream``: this engine reads its own stream."""
-        placement = getattr(self.engine, "placement", None)
-        return {"stream": True, **(placement() if placement is not None else {})}
+        return {"stream": True, **self.engine.placement()}
 
     def engine_stats(self, queued: int) -> dict[str, Any]:
         """The engine's metrics snapshot, with what its streams add (Prometheus exports it)."""
-        snapshot = getattr(self.engine, "snapshot", None)
-        if snapshot is None:
+        taken = self.engine.snapshot()
+        if taken is None:
             return {}
         # NOTE: replaced whole, never mutated: the metrics thread reads it without a lock.
-        taken = snapshot()
         phases = {k: round(v, 6) for k, v in self.clock.seconds.items()}
         self.last_snapshot = {**taken, "queued": queued, "requests_stolen": self.streams.stolen,
                               "step_seconds": {**taken.get("step_seconds", {}), **phases}}

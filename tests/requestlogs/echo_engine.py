@@ -13,10 +13,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine import protocol
-from engine.outputs import RequestOutput, Usage
+from engine.outputs import PlainEngine, RequestOutput, Usage
 
 
-class EchoEngine:
+class EchoEngine(PlainEngine):
     def __init__(self, model_dir: Path) -> None:
         self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.waiting: list[tuple[protocol.EngineRequest, float]] = []
