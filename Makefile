@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install lint clean
+.PHONY: up test test-fast install lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest
+
+# The inner loop: unit and in-process tests, none that starts a server, an engine, a worker
+# or a browser (the `live` marker, tests/conftest.py). `make test` runs everything.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -m "not live and not slow" -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

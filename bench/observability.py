@@ -52,6 +52,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 from bench.concurrency import MODEL, _cli, _cpu_s, _pct, _stream, wait_ready  # noqa: E402
+from tests.ports import free_port as _free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -73,14 +74,6 @@ class _Sink(BaseHTTPRequestHandler):
 
 def _sink_main(port: int) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), _Sink).serve_forever()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- engine step ---------------------------------------------------------------------------

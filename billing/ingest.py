@@ -2,11 +2,9 @@
 
 Engines XADD a UsageReport to their model's usage stream (``protocol.usage_stream``,
 in the model's Redis Cluster slot) in the same transaction that settles a request; the
-set ``atrium:usage-streams`` names every such stream, and protocol 1's one stream
-``atrium:usage`` is read too while it exists (what engines reported before an upgrade).
-This consumer reads each in the ``billing`` group, writes the
-ledger (unique request id, ON CONFLICT DO NOTHING), commits, and only then
-XACKs. A consumer killed between the write and the acknowledgement leaves the
+set ``atrium:usage-streams`` names every such stream. This consumer reads each in the
+``billing`` group, writes the ledger (unique request id, ON CONFLICT DO NOTHING), commits,
+and only then XACKs. A consumer killed between the write and the acknowledgement leaves the
 entry pending; the next run claims it and the write is a no-op.
 
 A report the ledger cannot take (it does not decode, its numbers are impossible,

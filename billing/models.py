@@ -311,7 +311,7 @@ class Budget(models.Model):
     """A tenant's own limit on spend and/or tokens per UTC day or month: for the whole
     tenant, one API key, or one end user of its app (the request's ``user``; blank: each
     end user that has no budget of their own). Enforced by reservation at admission
-    (billing/budgets.py); alerts at 50, 80 and 100%."""
+    (billing/budget_counters.py); alerts at 50, 80 and 100%."""
 
     class Scope(models.TextChoices):
         TENANT = "tenant"

@@ -16,7 +16,7 @@ from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from billing import budgets
+from billing import budget_counters
 from billing.models import (
     Budget,
     BudgetAlert,
@@ -400,7 +400,7 @@ def budget_subjects(budgets_: Iterable[Budget]) -> dict[int, str]:
     through rotations and a rotation resets nothing."""
     rows = list(budgets_)
     lineages = api_key_lineages(b.api_key_id for b in rows if b.api_key_id)
-    return {b.pk: budgets.subject_of(b.scope, api_key_id=lineages.get(b.api_key_id),
+    return {b.pk: budget_counters.subject_of(b.scope, api_key_id=lineages.get(b.api_key_id),
                                      end_user=b.end_user) for b in rows}
 
 
@@ -411,12 +411,12 @@ def budget_views(budgets_: Iterable[Budget], *, now: datetime | None = None
     subjects = budget_subjects(rows)
     keyed = []
     for b in rows:
-        label, _, end = budgets.window_bounds(b.window, now)
+        label, _, end = budget_counters.window_bounds(b.window, now)
         subject = subjects[b.pk]
-        key = None if subject == budgets.EACH_USER else budgets.counter_key(
-            b.tenant_id, f"{budgets.SCOPES[b.scope]}:{subject}", label)
+        key = None if subject == budget_counters.EACH_USER else budget_counters.counter_key(
+            b.tenant_id, f"{budget_counters.SCOPES[b.scope]}:{subject}", label)
         keyed.append((b, label, end, key))
-    states = budgets.window_states(sync_client(), [k for *_, k in keyed if k])
+    states = budget_counters.window_states(sync_client(), [k for *_, k in keyed if k])
     out = []
     for b, label, end, key in keyed:
         state = states.get(key) if key else None

@@ -98,7 +98,7 @@ def async_client() -> aioredis.Redis:
 
     Its pool holds at most ATRIUM_REDIS_MAX_CONNECTIONS; a command that finds them all busy
     waits for one (up to ATRIUM_REDIS_POOL_TIMEOUT_S) instead of failing. Commands are
-    short: no request holds a connection while it waits for tokens (inference/relay.py).
+    short: no request holds a connection while it waits for tokens (inference/event_hub.py).
     """
     loop = asyncio.get_running_loop()
     held = _async_clients.get(id(loop))

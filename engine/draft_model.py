@@ -6,7 +6,7 @@ sequences. It keeps a paged KV cache of its own (its own blocks, no prefix cache
 which each sequence holds the tokens the draft model has read. Before a proposal a
 sequence's new tokens are read in one pass (the prompt at first, later the tokens the
 target kept); draft tokens the target rejects are dropped from that cache again
-(``settle``), and a sequence that ends gives its blocks back.
+(``keep_accepted``), and a sequence that ends gives its blocks back.
 
 The drafts are greedy, so the proposer puts all its probability on each draft token, and
 verification (greedy, or rejection sampling for temperature > 0) is the same as for n-gram
@@ -109,7 +109,7 @@ class DraftModel:
                 view.num_fed += 1
         return drafts
 
-    def settle(self, proposed: Iterable[str], accepted: dict[str, int]) -> None:
+    def keep_accepted(self, proposed: Iterable[str], accepted: dict[str, int]) -> None:
         """After the target's step: each proposed sequence's cache keeps the draft tokens
         the target accepted (none for one that did not speculate), drops the rest."""
         for request_id in proposed:

@@ -11,7 +11,7 @@ pending has no final event, so a dead engine's request is never finished twice.
 Every write is one batch (one MULTI/EXEC), queued in ``backlog`` before it is
 sent and taken off only once Redis answered it. While Redis is unreachable the
 batches wait there, in order, and ``flush`` sends them first when it answers
-again; numbers, the open set and usage are settled when a batch is made, so the
+again; numbers, the open set and usage are fixed when a batch is made, so the
 backlog never leaves a gap. Each batch also sets this writer's marker key to the
 batch's number, in the same transaction: after an EXEC whose reply was lost,
 one GET tells which held batches Redis already has, so none is written twice.
@@ -52,7 +52,7 @@ class Entry(NamedTuple):
 
 @dataclass(slots=True)
 class _Open:
-    entry: Entry  # the request's entry, settled with its final event
+    entry: Entry  # the request's entry, acknowledged with its final event
     request: protocol.EngineRequest
     next_seq: int = 0
     expired_at: float = float("-inf")  # monotonic: when its stream's TTL was last set
@@ -65,7 +65,6 @@ class _Batch:
     number: int
     commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     reported: list[str] = field(default_factory=list)  # requests whose usage report it holds
-    made_at: float = field(default_factory=time.monotonic)
     news: dict[str, dict[str, int]] = field(default_factory=dict)  # notify stream -> ids
 
     def add(self, command: str, *args: Any, **kwargs: Any) -> None:
@@ -95,7 +94,7 @@ class _Batch:
 class EventWriter:
     """One engine's writes. NOTE: every key a batch touches is in its model's slot
     (protocol.model_prefix): the events and notify streams, the usage stream, the request
-    streams it settles entries of, and the marker; so a batch is one MULTI on Redis Cluster
+    streams whose entries it acknowledges, and the marker; so a batch is one MULTI on Redis Cluster
     too."""
 
     def __init__(self, client: redis.Redis, *, model: str, engine_id: str,
@@ -165,14 +164,14 @@ class EventWriter:
         batch.add_event(self.model, request_id, event, notify)
         if request is not None:
             self._report_usage(batch, request, event)
-        self._settle(batch, entry)
+        self._acknowledge(batch, entry)
         self.finished += 1
         self._send(batch)
 
     def drop(self, entry: Entry) -> None:
         """Takes an entry off its stream and out of the pending list, writing nothing."""
         batch = self._batch()
-        self._settle(batch, entry)
+        self._acknowledge(batch, entry)
         self._send(batch)
 
     def move(self, entry: Entry, fields: Any, stream: str) -> None:
@@ -181,12 +180,8 @@ class EventWriter:
         batch = self._batch()
         batch.add("xadd", stream, fields, maxlen=protocol.REQUEST_STREAM_MAXLEN,
                   approximate=True)
-        self._settle(batch, entry)
+        self._acknowledge(batch, entry)
         self._send(batch)
-
-    def held_since(self) -> float | None:
-        """When (monotonic) the oldest batch Redis has not taken was made; None if none."""
-        return self.backlog[0].made_at if self.backlog else None
 
     def flush(self) -> None:
         """Writes the held batches, oldest first.
@@ -273,7 +268,7 @@ class EventWriter:
     def _report_usage(self, batch: _Batch, request: protocol.EngineRequest,
                       final: protocol.Event) -> None:
         # NOTE: in the same MULTI as the final event and the XACK: a request's usage is
-        # reported exactly when it is settled, so recovery can never report it twice.
+        # reported exactly when its entry is acknowledged, so recovery can never report it twice.
         report = protocol.UsageReport(
             request_id=request.usage_id or request.request_id, tenant_id=request.tenant_id,
             model=request.model,
@@ -305,9 +300,9 @@ class EventWriter:
                 data["choices"] = out.choices
             event = self._append(batch, out.request_id, protocol.EV_FINISH, data)
         self._report_usage(batch, state.request, event)
-        self._settle(batch, self.open.pop(out.request_id).entry)
+        self._acknowledge(batch, self.open.pop(out.request_id).entry)
         self.finished += 1
 
-    def _settle(self, batch: _Batch, entry: Entry) -> None:
+    def _acknowledge(self, batch: _Batch, entry: Entry) -> None:
         batch.add("xack", entry.stream, protocol.ENGINE_GROUP, entry.entry_id)
         batch.add("xdel", entry.stream, entry.entry_id)

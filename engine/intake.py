@@ -2,7 +2,7 @@
 
 Both ways a request reaches an engine go through here: the worker's read of new
 entries (``Worker.take``) and recovery of a dead engine's entries that were never
-accepted (``Recovery.settle``).
+accepted (``Recovery.take_over``).
 """
 
 from __future__ import annotations

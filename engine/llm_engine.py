@@ -199,8 +199,8 @@ class LLMEngine:
                                  usage=usage_of(seq), choices=parallel.choices_of(seq, reason))
         loading = self.adapters.abort(request_id, reason) if self.adapters else None
         if loading is not None:
-            return self._settled([loading])[0]
-        return self._settled([self.scheduler.abort(request_id, reason)])[0]
+            return self._let_go_of_adapters([loading])[0]
+        return self._let_go_of_adapters([self.scheduler.abort(request_id, reason)])[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._num_loading() > 0
@@ -233,15 +233,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         clock.lap("schedule")
         if not batch.requests:
-            self._settle_drafts(None, None)
-            return self._settled(outputs)
+            self._keep_accepted_drafts(None, None)
+            return self._let_go_of_adapters(outputs)
         try:
             if self.adapters is not None:
                 self.adapters.fill_slots(self.runner, batch.requests)
                 clock.lap("adapters")
             sampled = self.runner.run(batch)  # laps inputs, forward, sample
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest
-            self._settle_drafts(None, None)
+            self._keep_accepted_drafts(None, None)
             log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
             message = f"{type(exc).__name__}: {exc}"[:500]
             # NOTE: blocks indexed for this step were never (fully) written, and a request
@@ -249,13 +249,13 @@ class LLMEngine:
             self.kv.pool.reset_cache()
             failed = [self.scheduler.abort(r.request_id, None, error=message)
                       for r in batch.requests]  # None for a request another row ended
-            return self._settled(outputs + [out for out in failed if out is not None])
+            return self._let_go_of_adapters(outputs + [out for out in failed if out is not None])
         self.metrics.record_step(
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests
                               if not r.is_decode and not r.draft),
             generation_tokens=sampled.num_sampled)
         outputs += self.scheduler.postprocess(batch, sampled)
-        self._settle_drafts(batch, sampled)
+        self._keep_accepted_drafts(batch, sampled)
         clock.lap("postprocess")
         rows = batch.requests
         if self.governor is not None and len(rows) <= self.config.speculative_max_batch \
@@ -263,16 +263,17 @@ class LLMEngine:
             self.governor.record(drafting=any(r.draft for r in rows), rows=len(rows),
                                  tokens=sampled.num_sampled,
                                  seconds=time.perf_counter() - began)
-        return self._settled(outputs)
+        return self._let_go_of_adapters(outputs)
 
-    def _settle_drafts(self, batch: SchedulerOutput | None, ran: RunnerOutput | None) -> None:
+    def _keep_accepted_drafts(self, batch: SchedulerOutput | None,
+                              ran: RunnerOutput | None) -> None:
         """The draft model's cache keeps what the target accepted and forgets ended
         sequences."""
         if self.drafter is None:
             return
         accepted = {} if batch is None else {
             batch.requests[i].request_id: len(s.tokens) - 1 for i, s in ran.speculated.items()}
-        self.drafter.settle(self.scheduler.drafted or {}, accepted)
+        self.drafter.keep_accepted(self.scheduler.drafted or {}, accepted)
         self.scheduler.drafted = None
         self.drafter.forget(self.scheduler.sequences)
 
@@ -341,7 +342,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         return outputs
 
-    def _settled(self, outputs: list[RequestOutput | None]) -> list[RequestOutput | None]:
+    def _let_go_of_adapters(self, outputs: list[RequestOutput | None]
+                            ) -> list[RequestOutput | None]:
         """Lets go of the adapters of sequences that just finished."""
         if self.adapters is not None:
             self.adapters.release_finished(outputs)

@@ -107,9 +107,6 @@ def usage_stream(model: str) -> str:
 
 # The set of every usage stream an engine has written to: what billing reads.
 USAGE_STREAMS_KEY = f"{KEY_PREFIX}:usage-streams"
-# Protocol 1's one usage stream: billing reads it too, for what engines of that version
-# reported before an upgrade (docs/deploy.md#upgrades).
-LEGACY_USAGE_STREAM = f"{KEY_PREFIX}:usage"
 USAGE_GROUP = "billing"
 USAGE_STREAM_MAXLEN = 1_000_000
 # Adapter lifecycle news for engines: entries {"type": "deleted", "adapter_hash"}.
@@ -132,17 +129,13 @@ def live_heartbeats(client: Any, now: float) -> list[bytes]:
         return []
     with client.pipeline(transaction=False) as pipe:
         for engine_id in ids:
-            pipe.get(engine_key(_text(engine_id)))
+            pipe.get(engine_key(as_text(engine_id)))
         return [doc for doc in pipe.execute() if doc]
 
 
 def usage_streams(client: Any) -> list[str]:
-    """Every stream usage is reported on (a synchronous client): each model's, and
-    protocol 1's while it exists."""
-    streams = {_text(s) for s in client.smembers(USAGE_STREAMS_KEY)}
-    if client.exists(LEGACY_USAGE_STREAM):
-        streams.add(LEGACY_USAGE_STREAM)
-    return sorted(streams)
+    """Every stream usage is reported on (a synchronous client): each model's."""
+    return sorted(as_text(s) for s in client.smembers(USAGE_STREAMS_KEY))
 
 
 async def live_heartbeats_async(client: Any, now: float) -> list[bytes]:
@@ -152,7 +145,7 @@ async def live_heartbeats_async(client: Any, now: float) -> list[bytes]:
         return []
     async with client.pipeline(transaction=False) as pipe:
         for engine_id in ids:
-            pipe.get(engine_key(_text(engine_id)))
+            pipe.get(engine_key(as_text(engine_id)))
         return [doc for doc in await pipe.execute() if doc]
 
 
@@ -246,7 +239,7 @@ class EngineRequest:
     @classmethod
     def decode(cls, fields: dict[Any, Any]) -> EngineRequest:
         """Raises ValueError, naming the field, when the entry is not a well-typed request."""
-        raw = json.loads(_text(fields[b"data"] if b"data" in fields else fields["data"]))
+        raw = json.loads(as_text(fields[b"data"] if b"data" in fields else fields["data"]))
         if not isinstance(raw, dict):
             raise ValueError("the request must be a JSON object")
         raw["sampling"] = SamplingSpec(**_typed(SamplingSpec, raw.get("sampling"), "sampling"))
@@ -304,7 +297,7 @@ class Event:
 
     @classmethod
     def decode(cls, fields: dict[Any, Any]) -> Event:
-        get = lambda k: _text(fields[k.encode()] if k.encode() in fields else fields[k])  # noqa: E731
+        get = lambda k: as_text(fields[k.encode()] if k.encode() in fields else fields[k])  # noqa: E731
         return cls(seq=int(get("seq")), type=get("type"), data=json.loads(get("data")))
 
     @property
@@ -340,13 +333,14 @@ class EngineHeartbeat:
         # NOTE: fields a newer engine adds are left out, so a fleet upgrades one process at
         # a time (docs/deploy.md, "Upgrades").
         known = {f.name for f in dataclasses.fields(cls)}
-        beat = cls(**{k: v for k, v in json.loads(_text(raw)).items() if k in known})
+        beat = cls(**{k: v for k, v in json.loads(as_text(raw)).items() if k in known})
         if not isinstance(beat.placement, dict):
             beat.placement = {}
         return beat
 
 
-def _text(value: str | bytes) -> str:
+def as_text(value: str | bytes) -> str:
+    """A Redis reply's string, whether the client decodes replies or not."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -416,4 +410,4 @@ class UsageReport:
 
     @classmethod
     def decode(cls, fields: dict[Any, Any]) -> UsageReport:
-        return cls(**json.loads(_text(fields[b"data"] if b"data" in fields else fields["data"])))
+        return cls(**json.loads(as_text(fields[b"data"] if b"data" in fields else fields["data"])))

@@ -54,12 +54,12 @@ class Recovery:
     def streams(self) -> dict[str, str | None]:
         """Every request stream of the model: the shared one (no owner) and each engine's,
         by its owner."""
-        owners = sorted(_text(e) for e in self.client.smembers(self.registry))
+        owners = sorted(protocol.as_text(e) for e in self.client.smembers(self.registry))
         return {self.shared: None, **{protocol.engine_stream(self.model_name, e): e
                                  for e in owners}}
 
     def run(self, *, own: bool = False, skip: Collection[Entry] = ()) -> int:
-        """Claims and settles dead engines' entries; returns how many it claimed.
+        """Claims and takes over dead engines' entries; returns how many it claimed.
 
         ``own``: this engine's own pending entries, at start-up: an earlier process
         with the same engine_id died holding them; or after Redis was unreachable, the
@@ -95,10 +95,10 @@ class Recovery:
             ids = [p["message_id"] for p in pending
                    if Entry(stream, p["message_id"]) not in skip]
         else:
-            owners = {_text(p["consumer"]) for p in pending} - {self.engine_id}
+            owners = {protocol.as_text(p["consumer"]) for p in pending} - {self.engine_id}
             alive = self.alive(owners)
             ids = [p["message_id"] for p in pending
-                   if _text(p["consumer"]) in owners - alive]
+                   if protocol.as_text(p["consumer"]) in owners - alive]
         if ids:
             claimed = self.client.xclaim(stream, protocol.ENGINE_GROUP, self.engine_id,
                                          min_idle_time=min_idle_ms, message_ids=ids)
@@ -106,7 +106,7 @@ class Recovery:
                         self.engine_id, len(claimed))
             for entry_id, fields in claimed:
                 if fields:
-                    self.settle(Entry(stream, entry_id), fields)
+                    self.take_over(Entry(stream, entry_id), fields)
                 else:  # deleted from the stream while pending (Redis < 7 still lists it)
                     self.events.drop(Entry(stream, entry_id))
         return len(ids)
@@ -136,12 +136,12 @@ class Recovery:
 
     def _quiet(self, stream: str) -> bool:
         try:
-            last = _text(self.client.xinfo_stream(stream)["last-generated-id"])
+            last = protocol.as_text(self.client.xinfo_stream(stream)["last-generated-id"])
         except redis.ResponseError:  # gone already
             return True
         return time.time() * 1000 - int(last.partition("-")[0]) >= self.claim_min_idle_s * 1000
 
-    def settle(self, entry: Entry, fields: Any) -> None:
+    def take_over(self, entry: Entry, fields: Any) -> None:
         request = self.intake.decode(entry, fields)
         if request is None:
             return
@@ -192,7 +192,7 @@ class Recovery:
         except redis.ResponseError:  # an engine stream deleted meanwhile
             return
         idle_ms = self.claim_min_idle_s * 1000
-        candidates = {_text(c["name"]) for c in consumers
+        candidates = {protocol.as_text(c["name"]) for c in consumers
                       if not c["pending"] and c["idle"] >= idle_ms} - {self.engine_id}
         for name in candidates - self.alive(candidates):
             self.forget_consumer(stream, name)
@@ -204,5 +204,3 @@ class Recovery:
             self.client.xgroup_delconsumer(stream, protocol.ENGINE_GROUP, name)
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -141,9 +141,7 @@ class RequestStreams:
 
     @staticmethod
     def _entries(reply: Any) -> list[tuple[Entry, Any]]:
-        return [(Entry(_text(stream), entry_id), fields)
+        return [(Entry(protocol.as_text(stream), entry_id), fields)
                 for stream, entries in reply or [] for entry_id, fields in entries]
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

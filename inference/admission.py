@@ -3,7 +3,7 @@
 `admit` runs admit.lua: requests/min and tokens/min (GCRA buckets; a request
 reserves prompt + max_tokens), concurrent requests (a sorted set of in-flight
 request ids scored by lease expiry, so a crashed web process cannot hold slots
-past its lease), the monthly token cap, and the budgets (billing/budgets.py: the
+past its lease), the monthly token cap, and the budgets (billing/budget_counters.py: the
 request's largest possible cost is reserved in every budget window that applies).
 Every web process shares the same keys, so limits hold however many processes run.
 `settle` runs settle.lua once the request ends however it ends: it frees the slot,
@@ -28,8 +28,10 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
-from billing import budgets
-from billing import spend as billing_spend  # Redis keys and values only; no Django
+from billing import (
+    budget_counters,
+    spend_counters,  # Redis keys and values only; no Django
+)
 from billing.money import from_micros, to_cents
 from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
 from core.metrics import ADMISSION_REJECTIONS
@@ -138,7 +140,7 @@ class RateLimitState:
 class BudgetWindow:
     """One budget window that applied to a request, as admission left it."""
 
-    slot: int  # 0..5: (tenant, key, end user) x (day, month), budgets.SLOT_NAMES
+    slot: int  # 0..5: (tenant, key, end user) x (day, month), budget_counters.SLOT_NAMES
     budget_id: int
     spend_limit_micros: int | None
     spend_used_micros: int  # spent + reserved, this request's reservation included
@@ -148,7 +150,7 @@ class BudgetWindow:
 
     @property
     def name(self) -> str:
-        scope, window = budgets.SLOT_NAMES[self.slot]
+        scope, window = budget_counters.SLOT_NAMES[self.slot]
         return f"{scope}/{window}"
 
     def share_left(self) -> float:
@@ -160,7 +162,7 @@ class BudgetWindow:
         return min(shares, default=1.0)
 
 
-def _budget_windows(reply: list[int], slots: budgets.Slots) -> list[BudgetWindow]:
+def _budget_windows(reply: list[int], slots: budget_counters.Slots) -> list[BudgetWindow]:
     out = []
     for slot in range(6):
         budget_id, spend, spent, tokens, used = reply[11 + slot * 5: 16 + slot * 5]
@@ -213,7 +215,7 @@ class Admission:
     reserved_tokens: int
     month: str
     state: RateLimitState
-    budget_slots: budgets.Slots | None = None
+    budget_slots: budget_counters.Slots | None = None
     budget_windows: list[BudgetWindow] = field(default_factory=list)
     end_user: str | None = None
     settled: bool = field(default=False)
@@ -252,14 +254,14 @@ async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
     """Refuses the request (429 insufficient_quota) once the tenant's spend this month has
     reached its monthly spend cap (docs/billing.md).
 
-    Billing keeps the cap and the month's committed spend in Redis (billing/spend.py):
+    Billing keeps the cap and the month's committed spend in Redis (billing/spend_counters.py):
     one MGET, no database. Requests already in flight when the cap is reached still
     finish, so spend can pass the cap by their cost. The monthly *token* cap is the
     admission script's.
     """
     month, reset_ms = month_window()
     try:
-        state = await billing_spend.cap_state(client, tenant_id=principal.tenant_id,
+        state = await spend_counters.cap_state(client, tenant_id=principal.tenant_id,
                                               month=month)
     except redis.RedisError as exc:
         raise ServiceUnavailable("quota admission is unavailable right now; retry shortly"
@@ -279,15 +281,15 @@ async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
 
 
 def _script_args(principal: Principal, *, request_id: str, cost: int, cost_micros: int,
-                 lease_ms: int, probe: bool, slots: budgets.Slots,
+                 lease_ms: int, probe: bool, slots: budget_counters.Slots,
                  end_user: str | None) -> tuple[list, list]:
     month, month_reset_ms = month_window()
     tenant_keys, key_keys = _level_keys(principal, month)
     levels = list(zip(tenant_keys, key_keys, strict=True))
     return ADMIT.build(
         rpm_keys=levels[0], tpm_keys=levels[1], inflight_keys=levels[2],
-        month_keys=levels[3], budget_defs_key=budgets.defs_key(principal.tenant_id),
-        budget_alerts_key=budgets.alerts_key(principal.tenant_id), window_keys=slots.keys,
+        month_keys=levels[3], budget_defs_key=budget_counters.defs_key(principal.tenant_id),
+        budget_alerts_key=budget_counters.alerts_key(principal.tenant_id), window_keys=slots.keys,
         request_id=request_id, tokens=cost, lease_ms=lease_ms, month_reset_ms=month_reset_ms,
         rpm_limits=_limits(principal, "requests_per_minute"),
         tpm_limits=_limits(principal, "tokens_per_minute"),
@@ -310,7 +312,7 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
     if not spend_checked:
         await spend_cap_check(client, principal)
     month, _ = month_window()
-    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.key_lineage,
+    slots = budget_counters.slots(tenant_id=principal.tenant_id, api_key_id=principal.key_lineage,
                           end_user=end_user)
     keys, args = _script_args(principal, request_id=request_id, cost=cost,
                               cost_micros=cost_micros, lease_ms=int(lease_s * 1000),
@@ -336,7 +338,7 @@ async def precheck(client: aioredis.Redis, *, principal: Principal,
     Takes nothing; returns the caller's rate-limit state, for the headers of an answer
     refused before admission."""
     await spend_cap_check(client, principal)
-    slots = budgets.slots(tenant_id=principal.tenant_id, api_key_id=principal.key_lineage,
+    slots = budget_counters.slots(tenant_id=principal.tenant_id, api_key_id=principal.key_lineage,
                           end_user=end_user)
     # One token and one micro-unit: the least any request costs.
     keys, args = _script_args(principal, request_id="", cost=1, cost_micros=1, lease_ms=0,
@@ -354,7 +356,7 @@ async def precheck(client: aioredis.Redis, *, principal: Principal,
 def _budget_refusal(principal: Principal, *, reason: int, slot: int, retry_ms: int,
                     windows: list[BudgetWindow], end_user: str | None,
                     headers: dict[str, str]) -> QuotaExceeded:
-    scope, window = budgets.SLOT_NAMES[slot]
+    scope, window = budget_counters.SLOT_NAMES[slot]
     owner = {"tenant": f"tenant '{principal.tenant_slug}'",
              "key": f"API key {principal.api_key_prefix}…",
              "user": f"end user '{end_user}'"}[scope]
@@ -386,7 +388,7 @@ def _refusal(principal: Principal, *, reason: int, level: int, retry_ms: int, li
     headers = state.headers()
     if reason in (REASON_BUDGET_SPEND, REASON_BUDGET_TOKENS):
         slot = level - 1
-        ADMISSION_REJECTIONS.labels(_REASONS[reason], budgets.SLOT_NAMES[slot][0]).inc()
+        ADMISSION_REJECTIONS.labels(_REASONS[reason], budget_counters.SLOT_NAMES[slot][0]).inc()
         return _budget_refusal(principal, reason=reason, slot=slot, retry_ms=retry_ms,
                                windows=windows, end_user=end_user, headers=headers)
     level = _LEVELS[level]
@@ -424,8 +426,8 @@ async def settle(client: aioredis.Redis, admission: Admission, *, used_tokens: i
         return False
     principal = admission.principal
     tenant_keys, key_keys = _level_keys(principal, admission.month)
-    keys = [*tenant_keys[1:], *key_keys[1:], budgets.defs_key(principal.tenant_id),
-            budgets.alerts_key(principal.tenant_id)]
+    keys = [*tenant_keys[1:], *key_keys[1:], budget_counters.defs_key(principal.tenant_id),
+            budget_counters.alerts_key(principal.tenant_id)]
     used = max(0, used_tokens)
     refund = max(0, admission.reserved_tokens - used)
     args = [admission.request_id, refund, principal.tenant_limits.tokens_per_minute or 0,

@@ -23,7 +23,7 @@ from inference.errors import (
     NoEngineAvailable,
     ServiceUnavailable,
 )
-from inference.relay import Subscription
+from inference.event_hub import Subscription
 from inference.routing import Placement, router
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _redis_lost() -> Iterator[None]:
 
 async def alive_engines(redis: aioredis.Redis, model: str) -> list[protocol.EngineHeartbeat]:
     """The engines serving ``model`` whose heartbeat is fresh, less those draining and
-    those of protocol 1 (they read other keys: docs/deploy.md#upgrades)."""
+    those of an older protocol (they read other keys: docs/deploy.md#upgrades)."""
     return await _alive(redis, lambda beat: beat.model == model and not beat.draining
                         and beat.version >= protocol.PROTOCOL_VERSION)
 
@@ -100,7 +100,7 @@ class Dispatch:
                  deadline: float, subscription: Subscription) -> None:
         self.redis = redis
         self.request = request
-        # Where the process's one events reader (relay.py) puts this request's events;
+        # Where the process's one events reader (event_hub.py) puts this request's events;
         # the engine tells that reader when it writes them.
         self.subscription = subscription
         request.notify = subscription.attach(request.model, request.request_id)
@@ -115,7 +115,7 @@ class Dispatch:
         self.completion_tokens = 0  # in the deltas read so far
         self._expected_seq = 0
         # No final event will come: cancelled while queued before any engine read it, or
-        # its engine is gone (another engine's recovery settles it later).
+        # its engine is gone (another engine's recovery takes it over later).
         self._unreachable = False
         self._streamed = False  # a delta was read: a lost engine now fails the request
 

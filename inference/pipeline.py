@@ -8,12 +8,12 @@ authenticates its caller, opens a ``Run`` and only translates wire formats:
         started = await run.start(session=...)
         return await run.collect()        # or: relay run.stream(), whose end is the run's
 
-``start`` takes, in order, a place in the process's relay (relay.py), the caller's quotas
+``start`` takes, in order, a place in the process's event hub (event_hub.py), the caller's quotas
 (precheck → prepare → admit) and the engine's queue (dispatch); a step that refuses
 raises, and what the steps before it took is given back when the run ends. However the
 run ends (answered, refused at any step, cancelled, its client gone, its engine lost), it
 ends in one place, once (:meth:`Run.end`): the engine's work stopped if it still runs
-and its final usage awaited, the relay place closed, the quota settled with the usage
+and its final usage awaited, its event hub place closed, the quota settled with the usage
 billing gets, then the request logged with its outcome.
 """
 
@@ -36,7 +36,7 @@ from core.redis import async_client
 from inference import admission as quota
 from inference import responses, service, telemetry
 from inference.dispatch import FINAL_WAIT_S, Dispatch
-from inference.relay import Subscription, event_hub
+from inference.event_hub import Subscription, event_hub
 from inference.requestlog import Trace
 from inference.routing import SESSION_MAX
 from tenants.facade import Principal
@@ -61,12 +61,12 @@ class Started:
 class Run:
     """One request from its authenticated caller to its last release.
 
-    Holds what the request takes (``subscription``, ``admission``, ``dispatch``, in that
-    order) and its ``trace`` (the request log's view, requestlog.py). ``client_gone``:
-    the exceptions by which the entry point learns its client left (a 499, not a
-    failure). As an async context manager it records how the block ended and ends the
-    run, unless the block handed the run to its stream (:meth:`stream`), whose end then
-    ends it.
+    Holds what the request takes, in this order: ``subscription`` (its place in the event
+    hub), ``admission``, ``dispatch``; and its ``trace`` (the request log's view,
+    requestlog.py). ``client_gone``: the exceptions by which the entry point learns its
+    client left (a 499, not a failure). As an async context manager it records how the
+    block ended and ends the run, unless the block handed the run to its stream
+    (:meth:`stream`), whose end then ends it.
     """
 
     def __init__(self, principal: Principal, kind: service.Kind, *, transport: str,
@@ -107,7 +107,7 @@ class Run:
         if session is not None and len(session) > SESSION_MAX:
             raise InvalidRequest(f"the x-session-id header is longer than {SESSION_MAX} "
                                  "characters", param="x-session-id", code="invalid_value")
-        # The process's own limit first (relay.py): a request past it costs nothing.
+        # The process's own limit first (event_hub.py): a request past it costs nothing.
         self.subscription = event_hub().subscribe()
         # A refused caller costs no tokenizing.
         limits = await service.precheck(self.trace.principal, self.body)

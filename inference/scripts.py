@@ -84,7 +84,7 @@ class Spec:
 
 
 LEVELS = 2  # the tenant's limits, then the key's
-WINDOWS = 6  # budget windows: (tenant, key, end user) x (day, month); billing/budgets.py
+WINDOWS = 6  # budget windows: (tenant, key, end user) x (day, month); billing/budget_counters.py
 
 ADMIT = Spec(
     "admit.lua",

@@ -191,7 +191,7 @@ def _check_prompts(prompts: list[list[int]], model: ServedModel, principal: Prin
     return window - longest
 
 
-def _settle_max_tokens(params: p.GenerationParams, kind: Kind, room: int,
+def _check_max_tokens(params: p.GenerationParams, kind: Kind, room: int,
                        principal: Principal, window: int) -> None:
     """Sets the default max tokens, or refuses one above the caps or the room left."""
     max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
@@ -226,7 +226,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
     prompts = _prompts(parsed, model, tools)
     room = _check_prompts(prompts, model, principal,
                           "messages" if kind == "chat" else "prompt")
-    _settle_max_tokens(params, kind, room, principal, model.context_window)
+    _check_max_tokens(params, kind, room, principal, model.context_window)
     _check_token_controls(params, model)
     engine_request = protocol.EngineRequest(
         request_id=completion_id(kind),

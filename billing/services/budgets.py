@@ -2,7 +2,7 @@
 key or its end users; their definitions and counters in Redis kept in step with the
 ledger; and their alerts (email to those who pay, events to the tenant's webhooks).
 
-Enforcement is admission's (billing/budgets.py, inference/admit.lua): each request
+Enforcement is admission's (billing/budget_counters.py, inference/admit.lua): each request
 reserves its largest possible cost, so concurrent requests never overshoot a budget.
 """
 
@@ -21,7 +21,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from billing import budgets, queue
+from billing import budget_counters, queue
 from billing.models import Budget, BudgetAlert, UsageRecord, UsageRollup
 from billing.money import CENT, from_micros, micros
 from billing.selectors import budget_subjects
@@ -157,16 +157,16 @@ def budgets_publish(*, tenant_ids: Iterable[int] | None = None) -> None:
     # NOTE: oldest first, so where two key budgets of one window name keys of one lineage
     # (both made before rotations carried budgets), the newest one is the one enforced.
     rows = rows.order_by("pk")
-    definitions: dict[int, dict[str, budgets.Definition]] = \
+    definitions: dict[int, dict[str, budget_counters.Definition]] = \
         {t: {} for t in (tenant_ids or ())}
     rows = list(rows)
     subjects = budget_subjects(rows)
     for b in rows:
         definitions.setdefault(b.tenant_id, {})[
-            budgets.field(b.scope, subjects[b.pk], b.window)] = budgets.Definition(
+            budget_counters.field(b.scope, subjects[b.pk], b.window)] = budget_counters.Definition(
             b.pk, None if b.spend_limit is None else micros(b.spend_limit), b.token_limit)
     try:
-        budgets.defs_set(sync_client(), definitions)
+        budget_counters.defs_set(sync_client(), definitions)
     except redis.RedisError:
         log.warning("could not publish budgets to Redis; the next reconcile will")
 
@@ -183,7 +183,8 @@ def _ledger_figures(budget: Budget, start: datetime, end: datetime
             rows = rows.filter(end_user=budget.end_user)
         else:
             rows = rows.exclude(end_user="")
-        return {budgets.user_subject(r["end_user"]): (r["spend"] or Decimal(0), r["tokens"] or 0)
+        return {budget_counters.user_subject(r["end_user"]):
+                (r["spend"] or Decimal(0), r["tokens"] or 0)
                 for r in rows.values("end_user").annotate(spend=Sum("cost"), tokens=Sum(tokens))}
     rows = UsageRollup.objects.for_tenant(budget.tenant).filter(
         day__gte=start.date(), day__lt=end.date())
@@ -201,13 +202,13 @@ def budgets_reconcile(*, now: datetime | None = None) -> int:
     budgets_publish()
     figures: dict[str, tuple[int, int, int]] = {}
     for budget in Budget.objects.select_related("tenant"):
-        label, start, end = budgets.window_bounds(budget.window, now)
+        label, start, end = budget_counters.window_bounds(budget.window, now)
         end_ms = int(end.timestamp() * 1000)
         for subject, (spend, tokens) in _ledger_figures(budget, start, end).items():
-            key = budgets.counter_key(budget.tenant_id,
-                                      f"{budgets.SCOPES[budget.scope]}:{subject}", label)
+            key = budget_counters.counter_key(budget.tenant_id,
+                                      f"{budget_counters.SCOPES[budget.scope]}:{subject}", label)
             figures[key] = (micros(spend), int(tokens), end_ms)
-    return budgets.counters_raise(sync_client(), figures) if figures else 0
+    return budget_counters.counters_raise(sync_client(), figures) if figures else 0
 
 
 def budget_alerts_collect() -> int:
@@ -229,11 +230,11 @@ def budget_alerts_collect() -> int:
 
 
 def _tenant_alerts_collect(client: redis.Redis, tenant_id: int) -> int:
-    entries = budgets.alerts_pending(client, tenant_id,
+    entries = budget_counters.alerts_pending(client, tenant_id,
                                      limit=settings.ATRIUM_ALERTS_PER_TENANT_PASS)
     added = sum(_alert_record(tenant_id, entry) for entry in entries)
     # NOTE: only after the alerts are committed: a worker dying first sends them later.
-    budgets.alerts_done(client, tenant_id, entries)
+    budget_counters.alerts_done(client, tenant_id, entries)
     return added
 
 
@@ -250,7 +251,7 @@ def _alert_record(tenant_id: int, entry: str) -> int:
     with transaction.atomic():
         alert, created = BudgetAlert.objects.get_or_create(
             budget=budget, window_label=label[:10], threshold=threshold,
-            subject=budgets.user_subject(end_user) if end_user and budget.scope == "user"
+            subject=budget_counters.user_subject(end_user) if end_user and budget.scope == "user"
             else "", defaults={"tenant_id": tenant_id, "spent": spent, "tokens": tokens,
                                "end_user": end_user[:256]})
         if not created:

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from billing import spend
+from billing import spend_counters
 from billing.models import SpendCap, UsageRecord, UsageRollup
 from billing.money import CENT, micros
 from billing.periods import period_label, period_of
@@ -38,7 +38,7 @@ def spend_of(records: list[UsageRecord]) -> dict[tuple[int, str], int]:
 
 def spend_publish(amounts: dict[tuple[int, str], int]) -> None:
     try:
-        spend.spend_add(sync_client(), amounts)
+        spend_counters.spend_add(sync_client(), amounts)
     except redis.RedisError:
         # The records are committed; the next spend_reconcile sets the counters right.
         log.warning("could not add spend to the Redis counters; the next reconcile will")
@@ -109,7 +109,7 @@ def spend_caps_publish(*, tenant_ids: Iterable[int] | None = None) -> None:
     """Writes the tenants' (every tenant's when None) effective caps to Redis."""
     caps = spend_caps_effective(tenant_ids=tenant_ids)
     try:
-        spend.caps_set(sync_client(), {t: None if c is None else micros(c)
+        spend_counters.caps_set(sync_client(), {t: None if c is None else micros(c)
                                        for t, c in caps.items()},
                        currency=settings.ATRIUM_BILLING_CURRENCY)
     except redis.RedisError:
@@ -123,6 +123,6 @@ def spend_reconcile(*, now: datetime | None = None) -> int:
     totals = (UsageRollup.objects.filter(billing_period=period).values("tenant_id")
               .annotate(total=Sum("cost")).values_list("tenant_id", "total"))
     values = {(t, period_label(period)): micros(total or Decimal(0)) for t, total in totals}
-    spend.spend_set(sync_client(), values)
+    spend_counters.spend_set(sync_client(), values)
     spend_caps_publish()
     return len(values)

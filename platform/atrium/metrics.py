@@ -32,7 +32,7 @@ def _group_lag(client: redis.Redis, stream: str, group: dict) -> int:
     of `atrium up` is 6.2), or when Redis cannot tell, they are counted, up to a bound."""
     if group.get("lag") is not None:
         return int(group["lag"])
-    after = _text(group["last-delivered-id"])
+    after = protocol.as_text(group["last-delivered-id"])
     return len(client.xrange(stream, min=f"({after}", count=LAG_COUNT_MAX))
 
 
@@ -74,7 +74,8 @@ class FleetCollector:
                                     "has read and not yet acknowledged.", labels=labels)
         streams = []
         for name in served_models():  # the model's shared stream, then each engine's
-            engines = sorted(_text(e) for e in client.smembers(protocol.engine_streams_key(name)))
+            engines = sorted(protocol.as_text(e)
+                             for e in client.smembers(protocol.engine_streams_key(name)))
             streams += [protocol.request_stream(name),
                         *(protocol.engine_stream(name, e) for e in engines)]
         usage = protocol.usage_streams(client)
@@ -101,7 +102,7 @@ class FleetCollector:
                 oldest.append(_entry_time(summary.get("min")))
                 [group] = [g for g in client.xinfo_groups(stream)
                            if g["name"] in (protocol.USAGE_GROUP, protocol.USAGE_GROUP.encode())]
-                after = _text(group["last-delivered-id"])
+                after = protocol.as_text(group["last-delivered-id"])
                 unread = client.xrange(stream, min=f"({after}", count=1)
                 oldest.append(_entry_time(unread[0][0]) if unread else None)
             except (redis.ResponseError, ValueError):  # no group yet: nothing owed
@@ -138,5 +139,3 @@ class FleetCollector:
         yield gauge
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -184,7 +184,7 @@ ATRIUM_UPLOAD_TIMEOUT_S = float(os.environ.get("ATRIUM_UPLOAD_TIMEOUT_S", "600")
 # NOTE: as many as the requests a process keeps open: a burst of new connections (each
 # waiting a moment for its headers) is legitimate; an idle one is closed by the timeout.
 ATRIUM_MAX_PENDING_CONNECTIONS = int(os.environ.get("ATRIUM_MAX_PENDING_CONNECTIONS", "4096"))
-# Load one web process takes on purpose (inference/relay.py, core/redis.py): requests it
+# Load one web process takes on purpose (inference/event_hub.py, core/redis.py): requests it
 # keeps open at once (503 with Retry-After past it), the Redis connections its event loop
 # may hold (more wait for one, up to ATRIUM_REDIS_POOL_TIMEOUT_S, rather than fail), and
 # the idle time after which an SSE stream gets a keep-alive comment.

@@ -8,7 +8,7 @@ import pytest
 from django.test import Client
 from rest_framework.test import APIClient
 
-from billing import budgets
+from billing import budget_counters
 from billing.models import Budget, WebhookEndpoint
 from tenants.models import Role
 from tests.factories import key_factory, member_factory, tenant_factory
@@ -38,8 +38,8 @@ def test_budgets_are_set_read_changed_and_removed_with_their_state(owner, redis_
         ("budget", "key", key.prefix, "2.50")
     assert (body["spent"], body["reserved"], body["token_limit"]) == ("0.000000", "0.000000",
                                                                       None)
-    label, _, _ = budgets.window_bounds("day")
-    redis_client.hset(budgets.counter_key(tenant.pk, f"k:{key.id}", label),
+    label, _, _ = budget_counters.window_bounds("day")
+    redis_client.hset(budget_counters.counter_key(tenant.pk, f"k:{key.id}", label),
                       mapping={"s": 1_250_000, "rs": 300_000, "t": 900})
     listed = client.get("/api/v1/tenants/acme/budgets").json()["data"]
     assert [(b["spent"], b["reserved"], b["tokens"]) for b in listed] == \
@@ -58,8 +58,8 @@ def test_the_usage_api_shows_where_budgets_stand_to_whoever_may_read_them(owner,
     tenant, client, _ = owner
     client.post("/api/v1/tenants/acme/budgets", {
         "scope": "tenant", "window": "month", "spend_limit": "10"}, format="json")
-    label, _, _ = budgets.window_bounds("month")
-    redis_client.hset(budgets.counter_key(tenant.pk, "t:-", label),
+    label, _, _ = budget_counters.window_bounds("month")
+    redis_client.hset(budget_counters.counter_key(tenant.pk, "t:-", label),
                       mapping={"s": 4_000_000, "rs": 500_000, "t": 1200})
     usage = client.get("/api/v1/tenants/acme/usage", {"start_time": 0}).json()
     assert [(b["scope"], b["spend_limit"], b["spent"], b["reserved"], b["tokens"])

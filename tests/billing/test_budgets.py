@@ -12,7 +12,7 @@ import pytest
 from django.core import mail
 from django.utils import timezone
 
-from billing import budgets, pricing
+from billing import budget_counters, pricing
 from billing.models import Budget, BudgetAlert, UsageRecord, WebhookDelivery, WebhookEndpoint
 from billing.money import micros
 from billing.services import (
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.django_db
 
 def _defs(redis_client, tenant) -> dict[str, str]:
     return {k.decode(): v.decode()
-            for k, v in redis_client.hgetall(budgets.defs_key(tenant.pk)).items()}
+            for k, v in redis_client.hgetall(budget_counters.defs_key(tenant.pk)).items()}
 
 
 def test_a_budget_is_audited_and_published_and_its_changes_follow(redis_client,
@@ -105,20 +105,20 @@ def test_reconcile_raises_every_window_to_the_ledger_and_never_lowers_one(redis_
               completion_tokens=0)])
     redis_client.flushdb()  # Redis lost everything
     assert budgets_reconcile() > 0
-    label, _, _ = budgets.window_bounds("month")
+    label, _, _ = budget_counters.window_bounds("month")
 
     def spent(scope_field: str) -> tuple[int, int]:
-        state = budgets.window_states(redis_client, [budgets.counter_key(
+        state = budget_counters.window_states(redis_client, [budget_counters.counter_key(
             acme.pk, scope_field, label)])
         return next(iter(state.values())).spent_micros, next(iter(state.values())).tokens
 
     # 1.00/M in, 2.00/M out: alice 0.001 + 0.001, vip 0.002.
     assert spent("t:-") == (4000, 3500)
     assert spent(f"k:{key.id}") == (2000, 1500)
-    assert spent(f"u:{budgets.user_subject('alice')}") == (2000, 1500)
-    assert spent(f"u:{budgets.user_subject('vip')}") == (2000, 2000)
+    assert spent(f"u:{budget_counters.user_subject('alice')}") == (2000, 1500)
+    assert spent(f"u:{budget_counters.user_subject('vip')}") == (2000, 2000)
     assert len(_defs(redis_client, acme)) == 4
-    key_name = budgets.counter_key(acme.pk, "t:-", label)
+    key_name = budget_counters.counter_key(acme.pk, "t:-", label)
     redis_client.hset(key_name, "s", 9000)  # above the ledger: requests not yet ingested
     assert budgets_reconcile() == 0
     assert spent("t:-") == (9000, 3500)
@@ -137,13 +137,14 @@ def test_crossed_thresholds_become_one_alert_each_emailed_and_sent_to_webhooks(
     monkeypatch.setattr("billing.queue.webhook_deliver_enqueue",
                         lambda delivery_id: queued.append(delivery_id))
     emails_now(monkeypatch)
-    key = budgets.counter_key(acme.pk, f"u:{budgets.user_subject('alice')}", "2026-11-27")
+    key = budget_counters.counter_key(acme.pk, f"u:{budget_counters.user_subject('alice')}",
+                                      "2026-11-27")
     entry = f"{budget.pk}|{key}|80|800000|40|1|alice|with a bar"
-    redis_client.sadd(budgets.alerts_key(acme.pk), entry, f"{budget.pk}|junk")
+    redis_client.sadd(budget_counters.alerts_key(acme.pk), entry, f"{budget.pk}|junk")
     with django_capture_on_commit_callbacks(execute=True):
         assert budget_alerts_collect() == 1
     with django_capture_on_commit_callbacks(execute=True):
-        redis_client.sadd(budgets.alerts_key(acme.pk), entry)  # the same crossing again
+        redis_client.sadd(budget_counters.alerts_key(acme.pk), entry)  # the same crossing again
         assert budget_alerts_collect() == 0
     alert = BudgetAlert.objects.get()
     assert (alert.threshold, alert.window_label, alert.spent, alert.end_user) == \
@@ -156,7 +157,7 @@ def test_crossed_thresholds_become_one_alert_each_emailed_and_sent_to_webhooks(
     assert delivery.payload["type"] == "budget.threshold_reached"
     assert delivery.payload["data"]["threshold"] == 80
     assert delivery.payload["data"]["end_user"] == "alice|with a bar"
-    assert redis_client.scard(budgets.alerts_key(acme.pk)) == 0
+    assert redis_client.scard(budget_counters.alerts_key(acme.pk)) == 0
 
 
 def test_a_key_budget_follows_its_key_through_rotation(redis_client):
@@ -210,8 +211,8 @@ def emails_now(monkeypatch) -> list[int]:
 
 
 def _crossing(budget, threshold: int, end_user: str = "", spent: int = 800000) -> str:
-    subject = f"u:{budgets.user_subject(end_user)}" if end_user else "t:-"
-    key = budgets.counter_key(budget.tenant_id, subject, "2026-11-27")
+    subject = f"u:{budget_counters.user_subject(end_user)}" if end_user else "t:-"
+    key = budget_counters.counter_key(budget.tenant_id, subject, "2026-11-27")
     return f"{budget.pk}|{key}|{threshold}|{spent}|40|1|{end_user}"
 
 
@@ -223,7 +224,7 @@ def test_an_end_user_named_to_break_headers_gets_a_safe_email_and_nobody_else_on
                            spend_limit=Decimal("1.00"))
     emails_now(monkeypatch)
     hostile = "eve\r\nBcc: everyone@example.test\r\n\r\nhello"
-    redis_client.sadd(budgets.alerts_key(acme.pk), _crossing(budget, 80, hostile))
+    redis_client.sadd(budget_counters.alerts_key(acme.pk), _crossing(budget, 80, hostile))
     with django_capture_on_commit_callbacks(execute=True):
         assert budget_alerts_collect() == 1
     [sent] = mail.outbox
@@ -243,14 +244,14 @@ def test_one_tenants_malformed_or_failing_alerts_never_stop_anothers(
                          spend_limit=Decimal("1.00"))
     emails_now(monkeypatch)
     # Malformed entries (a spend that is no number, a key with no window) are dropped.
-    redis_client.sadd(budgets.alerts_key(acme.pk), f"{theirs.pk}|k|80|lots|40|1|",
+    redis_client.sadd(budget_counters.alerts_key(acme.pk), f"{theirs.pk}|k|80|lots|40|1|",
                       f"{theirs.pk}|nowindow|80|1|40|1|")
-    redis_client.sadd(budgets.alerts_key(globex.pk), _crossing(ours, 50))
+    redis_client.sadd(budget_counters.alerts_key(globex.pk), _crossing(ours, 50))
     with django_capture_on_commit_callbacks(execute=True):
         assert budget_alerts_collect() == 1
     assert [a.tenant_id for a in BudgetAlert.objects.all()] == [globex.pk]
     assert [m.to for m in mail.outbox] == [["owner@globex.test"]]
-    assert redis_client.scard(budgets.alerts_key(acme.pk)) == 0
+    assert redis_client.scard(budget_counters.alerts_key(acme.pk)) == 0
 
     # A tenant whose alerts fail to record (its database rows refused) is passed over.
     real = budgets_service._alert_record
@@ -261,12 +262,12 @@ def test_one_tenants_malformed_or_failing_alerts_never_stop_anothers(
         return real(tenant_id, entry)
 
     monkeypatch.setattr(budgets_service, "_alert_record", failing)
-    redis_client.sadd(budgets.alerts_key(acme.pk), _crossing(theirs, 80))
-    redis_client.sadd(budgets.alerts_key(globex.pk), _crossing(ours, 80))
+    redis_client.sadd(budget_counters.alerts_key(acme.pk), _crossing(theirs, 80))
+    redis_client.sadd(budget_counters.alerts_key(globex.pk), _crossing(ours, 80))
     with django_capture_on_commit_callbacks(execute=True):
         assert budget_alerts_collect() == 1
     assert BudgetAlert.objects.filter(tenant=globex).count() == 2
-    assert redis_client.scard(budgets.alerts_key(acme.pk)) == 1  # kept for a later pass
+    assert redis_client.scard(budget_counters.alerts_key(acme.pk)) == 1  # kept for a later pass
 
 
 def test_a_flood_of_one_tenants_alerts_waits_its_turn_and_emails_a_few(
@@ -281,14 +282,14 @@ def test_a_flood_of_one_tenants_alerts_waits_its_turn_and_emails_a_few(
     theirs = budget_create(tenant=quiet, actor=SYSTEM, scope="tenant", window="day",
                            spend_limit=Decimal("1.00"))
     emailed = emails_now(monkeypatch)
-    redis_client.sadd(budgets.alerts_key(flood.pk),
+    redis_client.sadd(budget_counters.alerts_key(flood.pk),
                       *(_crossing(each_user, 100, f"user-{i}") for i in range(60)))
-    redis_client.sadd(budgets.alerts_key(quiet.pk), _crossing(theirs, 100))
+    redis_client.sadd(budget_counters.alerts_key(quiet.pk), _crossing(theirs, 100))
     with django_capture_on_commit_callbacks(execute=True):
         assert budget_alerts_collect() == 21
     assert BudgetAlert.objects.filter(tenant=quiet).count() == 1
     assert BudgetAlert.objects.filter(tenant=flood).count() == 20
-    assert redis_client.scard(budgets.alerts_key(flood.pk)) == 40
+    assert redis_client.scard(budget_counters.alerts_key(flood.pk)) == 40
     with django_capture_on_commit_callbacks(execute=True):
         while budget_alerts_collect():
             pass

@@ -186,18 +186,14 @@ def test_a_cut_short_request_is_billed_for_what_was_made(client, tenant):
     assert (row.completion_tokens, row.finish_reason) == (3, "cancelled")
 
 
-def test_every_models_stream_and_protocol_ones_leftovers_are_ingested(client, tenant):
-    """Each model's engines report on the model's own stream; what engines of protocol 1
-    left on ``atrium:usage`` before an upgrade is billed too, until an operator deletes the
-    drained stream."""
+def test_every_models_stream_is_ingested(client, tenant):
+    """Each model's engines report on the model's own stream; billing reads every one the
+    set of usage streams names."""
     _send(client, _report(tenant, "a-1"), stream=protocol.usage_stream("alpha"))
     _send(client, _report(tenant, "b-1"), _report(tenant, "b-2"),
           stream=protocol.usage_stream("beta"))
-    client.xadd(protocol.LEGACY_USAGE_STREAM, _report(tenant, "old-1").encode())
-    assert protocol.LEGACY_USAGE_STREAM in protocol.usage_streams(client)
-    assert drain(client) == 4
-    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [
-        "a-1", "b-1", "b-2", "old-1"]
-    client.delete(protocol.LEGACY_USAGE_STREAM)  # an empty stream an operator removed
     assert protocol.usage_streams(client) == sorted(
         protocol.usage_stream(m) for m in ("alpha", "beta"))
+    assert drain(client) == 3
+    assert sorted(UsageRecord.objects.values_list("request_id", flat=True)) == [
+        "a-1", "b-1", "b-2"]

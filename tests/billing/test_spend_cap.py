@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.utils import timezone
 
-from billing import selectors, services, spend
+from billing import selectors, services, spend_counters
 from billing.periods import period_label, period_of
 from core.errors import QuotaExceeded
 from inference import admission
@@ -64,19 +64,19 @@ def test_ingestion_adds_committed_spend_to_the_tenants_counter(
         _spend_now(tenant, 2_000_000, "a")  # $2
         _spend_now(tenant, 2_000_000, "a")  # a redelivery: no spend
         _spend_now(tenant, 500_000, "b")
-    assert spend.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 2_500_000
+    assert spend_counters.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 2_500_000
 
 
 def test_reconcile_sets_counters_from_the_rollups_both_ways(tenant, priced, redis_client):
     other = tenant_factory()
     _spend_now(tenant, 3_000_000, "a")  # on_commit never ran: the counter missed it
-    spend.spend_set(redis_client, {(other.pk, MONTH): 99})  # a counter too high
+    spend_counters.spend_set(redis_client, {(other.pk, MONTH): 99})  # a counter too high
     assert services.spend_reconcile(now=NOW) == 1
-    assert spend.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 3_000_000
-    assert spend.spend_get(redis_client, tenant_id=other.pk, month=MONTH) in (0, 99)
-    spend.spend_set(redis_client, {(tenant.pk, MONTH): 10})
+    assert spend_counters.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 3_000_000
+    assert spend_counters.spend_get(redis_client, tenant_id=other.pk, month=MONTH) in (0, 99)
+    spend_counters.spend_set(redis_client, {(tenant.pk, MONTH): 10})
     services.spend_reconcile(now=NOW)
-    assert spend.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 3_000_000
+    assert spend_counters.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 3_000_000
 
 
 def test_admission_refuses_once_spend_reaches_the_cap(tenant, priced, redis_client,
@@ -121,7 +121,7 @@ def test_the_plans_cap_applies_unless_the_tenant_has_its_own(db, redis_client):
                                      inherit=True)
     assert selectors.spend_caps_effective(tenant_ids=[own.pk]) == {own.pk: Decimal("100.00")}
     services.spend_reconcile(now=NOW)
-    raw = {t.pk: redis_client.get(spend.cap_key(t.pk)) for t in (capped, own, uncapped)}
+    raw = {t.pk: redis_client.get(spend_counters.cap_key(t.pk)) for t in (capped, own, uncapped)}
     assert raw == {capped.pk: b"100000000 USD", own.pk: b"100000000 USD", uncapped.pk: None}
 
 
@@ -141,7 +141,7 @@ def test_spend_counts_the_open_period_only(tenant, priced, redis_client):
         prompt_tokens=0, cached_tokens=0, completion_tokens=1_000_000)])
     _spend_now(tenant, 250_000, "new")
     services.spend_reconcile(now=NOW)
-    assert spend.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 250_000
+    assert spend_counters.spend_get(redis_client, tenant_id=tenant.pk, month=MONTH) == 250_000
     assert selectors.spend_summary(tenant=tenant, now=NOW).spent == Decimal("0.25")
 
 

@@ -28,6 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the environment `make install` made: atrium, python
 # The demo model is built by the first `atrium up` and copied into later homes (the
@@ -43,12 +45,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_ports(count: int) -> int:

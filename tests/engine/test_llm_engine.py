@@ -66,7 +66,8 @@ def hf_outputs(tiny_model_dir: Path, prompts: list[list[int]]) -> list[list[int]
     {"num_kv_blocks": 40, "block_size": 8, "max_num_batched_tokens": 64},  # forces preemption
     {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
     {"enable_prefix_caching": False, "max_num_seqs": 5},
-    {"use_triton": True, "num_kv_blocks": 256},  # the Triton decode kernel (interpreted on CPU)
+    # The Triton decode kernel, interpreted on this CPU: about 30 s.
+    pytest.param({"use_triton": True, "num_kv_blocks": 256}, marks=pytest.mark.slow),
     # n-gram speculation for every decoding sequence, drafts verified in one pass each
     {"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 64},
     {"speculative": "ngram", "num_speculative_tokens": 3, "speculative_max_batch": 64,

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from engine import protocol
 from engine.worker import WorkerConfig
+from tests.ports import free_port as _free_port
 
 PROMPT = [0, 11, 12, 13, 14]
 LONG = dict(max_tokens=1900, ignore_eos=True)  # runs for seconds unless something stops it
@@ -430,14 +431,6 @@ def test_restart_under_the_same_engine_id_settles_its_own_leftovers(start_worker
     assert (events[1].seq, events[1].type) == (1, protocol.EV_ACCEPTED)
     assert events[-1].type == protocol.EV_FINISH
     assert_queue_empty(redis_client)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_heartbeat_carries_engine_metrics_and_prometheus_serves_them(start_worker,

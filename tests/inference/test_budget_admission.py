@@ -9,7 +9,7 @@ import time
 import pytest
 from django.conf import settings
 
-from billing import budgets
+from billing import budget_counters
 from core.errors import QuotaExceeded
 from inference import admission as quota
 from tenants.principals import Limits, Principal
@@ -27,8 +27,8 @@ def who(key_id: int = KEY, scopes: tuple[str, ...] = ("inference", "billing")) -
 
 def define(redis_client, **by_field: tuple[int | None, int | None]) -> None:
     """Budgets by definition field, e.g. ``k:9:day=(spend micros, tokens)``."""
-    budgets.defs_set(redis_client, {TENANT: {
-        f.replace("__", ":"): budgets.Definition(i + 1, spend, tokens)
+    budget_counters.defs_set(redis_client, {TENANT: {
+        f.replace("__", ":"): budget_counters.Definition(i + 1, spend, tokens)
         for i, (f, (spend, tokens)) in enumerate(by_field.items())}})
 
 
@@ -45,8 +45,8 @@ async def admit(client, *, micros: int, tokens: int = 10, user: str | None = Non
 
 
 def window(redis_client, scope_field: str, period: str = "day") -> dict[str, int]:
-    label, _, _ = budgets.window_bounds(period)
-    raw = redis_client.hgetall(budgets.counter_key(TENANT, scope_field, label))
+    label, _, _ = budget_counters.window_bounds(period)
+    raw = redis_client.hgetall(budget_counters.counter_key(TENANT, scope_field, label))
     return {k.decode(): int(v.split()[0]) for k, v in raw.items()}
 
 
@@ -160,7 +160,7 @@ def test_the_precheck_refuses_a_spent_budget_and_takes_nothing(run, redis_client
 def test_each_end_user_has_a_window_of_their_own_and_a_named_one_overrides(
         run, redis_client):
     define(redis_client, **{"u__*__day": (1000, None),
-                            f"u__{budgets.user_subject('vip')}__day": (5000, None)})
+                            f"u__{budget_counters.user_subject('vip')}__day": (5000, None)})
 
     async def scenario(client):
         await admit(client, micros=1000, user="alice")
@@ -192,7 +192,7 @@ def test_thresholds_are_alerted_once_each_as_spend_settles(run, redis_client):
             await admit(client, micros=100)
 
     run(scenario)
-    entries = budgets.alerts_pending(redis_client, TENANT, limit=100)
+    entries = budget_counters.alerts_pending(redis_client, TENANT, limit=100)
     reached = sorted(int(e.split("|")[2]) for e in entries)
     assert reached == [50, 80, 100]
     spent_at = {int(e.split("|")[2]): int(e.split("|")[3]) for e in entries}

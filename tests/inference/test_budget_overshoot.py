@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
 import httpx
+import pytest
 
-from billing import budgets
+from billing import budget_counters
 from billing.ingest import drain
 from billing.models import UsageRecord
 from billing.money import micros
@@ -25,6 +26,7 @@ MAX_TOKENS = 8
 BUDGET = Decimal("2.60")
 
 
+@pytest.mark.live  # two web processes
 def test_two_web_processes_never_spend_past_a_budget(transactional_db, served_model,
                                                      tiny_model_path, redis_client):
     price_create(model=served_model, input_per_million=Decimal(1000),
@@ -67,8 +69,8 @@ def test_two_web_processes_never_spend_past_a_budget(transactional_db, served_mo
     assert ledger.count() == admitted
     spent = sum((r.cost for r in ledger), Decimal(0))
     assert spent <= BUDGET, spent
-    label, _, _ = budgets.window_bounds("day")
-    state = budgets.window_states(redis_client, [budgets.counter_key(
+    label, _, _ = budget_counters.window_bounds("day")
+    state = budget_counters.window_states(redis_client, [budget_counters.counter_key(
         caller.tenant_id, f"k:{caller.key_id}", label)])
     (window,) = state.values()
     assert window.spent_micros == micros(spent)  # Redis's count is the ledger's

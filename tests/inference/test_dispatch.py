@@ -12,7 +12,7 @@ from django.conf import settings
 
 from engine import protocol
 from inference.dispatch import Dispatch
-from inference.relay import EventHub
+from inference.event_hub import EventHub
 from tests.engine.engine_testing import make_request
 
 MODEL = "m"

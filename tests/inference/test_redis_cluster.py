@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from billing import spend
+from billing import spend_counters
 from core.errors import QuotaExceeded, RateLimited
 from inference import admission as quota
 from tenants.principals import Limits, Principal
@@ -71,8 +71,8 @@ def test_admission_and_settle_run_on_a_three_shard_cluster(cluster):
 def test_a_spent_cap_refuses_on_a_three_shard_cluster(cluster):
     month, _ = quota.month_window()
     with cluster.client() as client:  # as billing's periodic task writes them
-        spend.caps_set(client, {t: 1_000_000 for t in TENANTS}, currency="USD")
-        spend.spend_set(client, {(t, month): 1_500_000 for t in TENANTS if t % 2})
+        spend_counters.caps_set(client, {t: 1_000_000 for t in TENANTS}, currency="USD")
+        spend_counters.spend_set(client, {(t, month): 1_500_000 for t in TENANTS if t % 2})
 
     refused = _refused_per_tenant(cluster, lambda client, tenant_id: quota.precheck(
         client, principal=_principal(tenant_id), end_user="someone"))
@@ -129,7 +129,7 @@ def test_the_events_path_runs_on_a_three_shard_cluster(cluster, tiny_model_path,
     from engine.redis_connect import RedisTarget
     from engine.worker import WorkerConfig, run_worker
     from inference.dispatch import Dispatch
-    from inference.relay import EventHub
+    from inference.event_hub import EventHub
     from tests.engine.engine_testing import make_request
     from tests.factories import tenant_factory
 
@@ -277,13 +277,13 @@ def test_a_cluster_needs_a_broker_of_its_own_and_no_sentinels():
 def test_budgets_of_tenants_on_every_shard_are_published_and_enforced(cluster):
     """billing's publish writes many tenants' budget definitions at once (each tenant's
     keys on its own shard), and admission enforces each tenant's."""
-    from billing import budgets
+    from billing import budget_counters
 
-    assert {cluster.shard_of(budgets.defs_key(t)) for t in TENANTS} == set(range(SHARDS))
+    assert {cluster.shard_of(budget_counters.defs_key(t)) for t in TENANTS} == set(range(SHARDS))
     with cluster.client() as client:
-        budgets.defs_set(client, {t: {"t:-:day": budgets.Definition(t, 1000, None)}
+        budget_counters.defs_set(client, {t: {"t:-:day": budget_counters.Definition(t, 1000, None)}
                                   for t in TENANTS})
-        budgets.defs_set(client, {TENANTS[0]: {}})  # a tenant whose budgets were deleted
+        budget_counters.defs_set(client, {TENANTS[0]: {}})  # a tenant whose budgets were deleted
 
     refused = _refused_per_tenant(cluster, lambda client, tenant_id: quota.admit(
         client, principal=_principal(tenant_id), request_id=f"b{tenant_id}", prompt_tokens=1,

@@ -61,7 +61,7 @@ def test_past_the_process_limit_a_request_gets_503_with_retry_after(
     with _stream(api_server, tenant_key.key, served_model, 2) as first, \
             _stream(api_server, tenant_key.key, served_model, 2) as second:
         assert first.status_code == second.status_code == 200
-        with caplog.at_level(logging.WARNING, logger="inference.relay"):
+        with caplog.at_level(logging.WARNING, logger="inference.event_hub"):
             refused = httpx.post(
                 f"{api_server}/v1/chat/completions", timeout=30,
                 headers={"Authorization": f"Bearer {tenant_key.key}"},

@@ -51,14 +51,6 @@ def defs_key(tenant_id: int) -> str:
     return f"{PREFIX}:{tag(tenant_id)}:defs"
 
 
-def holds_key(tenant_id: int) -> str:
-    return f"{PREFIX}:{tag(tenant_id)}:holds"
-
-
-def leases_key(tenant_id: int) -> str:
-    return f"{PREFIX}:{tag(tenant_id)}:leases"
-
-
 def alerts_key(tenant_id: int) -> str:
     return f"{PREFIX}:{tag(tenant_id)}:alerts"
 

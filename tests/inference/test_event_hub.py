@@ -1,4 +1,4 @@
-"""The process's one events reader (inference/relay.py), on the real Redis: what a request
+"""The process's one events reader (inference/event_hub.py), on the real Redis: what a request
 is handed, in order; a request that starts while the reader is blocked; a slow reader;
 Redis going away."""
 
@@ -11,9 +11,9 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from engine import protocol
-from inference import relay
+from inference import event_hub
 from inference.errors import ServiceUnavailable
-from inference.relay import EventHub
+from inference.event_hub import EventHub
 
 
 def _run(scenario):
@@ -78,7 +78,7 @@ def _counting_reads(client) -> list[int]:
 
 def test_a_notice_has_its_stream_read_at_once_and_alone(redis_client, monkeypatch):
     # No sweep in this test: only the notice can get the stream read in time.
-    monkeypatch.setattr(relay, "SWEEP_S", 60.0)
+    monkeypatch.setattr(event_hub, "SWEEP_S", 60.0)
 
     async def scenario(client):
         hub = EventHub(client)
@@ -100,7 +100,7 @@ def test_a_notice_has_its_stream_read_at_once_and_alone(redis_client, monkeypatc
 
 
 def test_events_written_without_a_notice_are_read_by_the_sweep(redis_client, monkeypatch):
-    monkeypatch.setattr(relay, "SWEEP_S", 0.3)
+    monkeypatch.setattr(event_hub, "SWEEP_S", 0.3)
 
     async def scenario(client):
         hub = EventHub(client)
@@ -114,8 +114,8 @@ def test_events_written_without_a_notice_are_read_by_the_sweep(redis_client, mon
 
 
 def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(redis_client, monkeypatch):
-    monkeypatch.setattr(relay, "BUFFER_ENTRIES", 8)
-    monkeypatch.setattr(relay, "READ_COUNT", 4)
+    monkeypatch.setattr(event_hub, "BUFFER_ENTRIES", 8)
+    monkeypatch.setattr(event_hub, "READ_COUNT", 4)
 
     async def scenario(client):
         hub = EventHub(client)
@@ -137,12 +137,12 @@ def test_a_request_closed_frees_its_place_for_the_process_limit(redis_client, se
     async def scenario(client):
         hub = EventHub(client)
         a, b = hub.subscribe(), hub.subscribe()
-        with pytest.raises(relay.Overloaded):
+        with pytest.raises(event_hub.Overloaded):
             hub.subscribe()
         a.close()
         a.close()  # closing twice frees one place, not two
         c = hub.subscribe()
-        with pytest.raises(relay.Overloaded):
+        with pytest.raises(event_hub.Overloaded):
             hub.subscribe()
         return hub.open_count, b, c
 
