@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+from typing import Any
 
 from django.conf import settings
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -14,12 +15,44 @@ from rest_framework.response import Response
 from adapters import selectors, services
 from adapters.models import Adapter, AdapterUpload
 from adapters.naming import model_id
-from core.errors import InvalidRequest
-from tenants import access
+from core.bodies import (
+    MULTIPART_FRAMING,
+    BodyPolicy,
+    Scope,
+    Sender,
+    authorization,
+    body_policy,
+    signed_in,
+)
+from core.errors import ApiError, InvalidRequest
+from tenants import facade
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 
 TAGS = ["adapters"]
 _RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+
+
+async def _uploader(scope: Scope, kwargs: dict[str, Any]) -> Sender | None:
+    """An API key of the URL's tenant with the adapters scope, or a signed-in console session
+    (whose rights the view then checks): who may upload past the ordinary body limit."""
+    header = authorization(scope)
+    if header is None:
+        return Sender(None) if await signed_in(scope) else None
+    try:
+        principal = await facade.aauthenticate(header, scope="adapters")
+    except ApiError:
+        return None
+    return Sender(principal.tenant_id) if principal.tenant_slug == kwargs["slug"] else None
+
+
+_UPLOADER_HINT = ("larger adapter uploads need an API key of the tenant with the adapters "
+                  "scope, or a console session")
+# A whole archive (or its two files) in one multipart request.
+WHOLE_UPLOAD = BodyPolicy(limit_setting="ATRIUM_ADAPTER_MAX_UPLOAD_BYTES",
+                          framing=MULTIPART_FRAMING, sender=_uploader, hint=_UPLOADER_HINT)
+# One chunk of a resumable upload.
+CHUNK_UPLOAD = BodyPolicy(limit_setting="ATRIUM_ADAPTER_CHUNK_BYTES", sender=_uploader,
+                          hint=_UPLOADER_HINT)
 
 
 def _default_base_model() -> str:
@@ -81,7 +114,7 @@ class AdapterListApi(TenantApi):
                    responses=AdapterSerializer(many=True))
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "adapter.read")
+        facade.authorize(tenant_access, "adapter.read")
         rows = selectors.adapter_list(tenant=tenant_access.tenant)
         return Response(listing(AdapterSerializer(rows, many=True).data))
 
@@ -98,12 +131,13 @@ class AdapterCreateApi(TenantApi):
         adapter_config = serializers.FileField(required=False)
         adapter_model = serializers.FileField(required=False)
 
+    @body_policy(WHOLE_UPLOAD)
     @extend_schema(tags=TAGS, summary="Upload an adapter (validated in the background)",
                    request={"multipart/form-data": InputSerializer},
                    responses={202: AdapterSerializer})
     def post(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "adapter.create")
+        facade.authorize(tenant_access, "adapter.create")
         data = validated(AdapterCreateApi.InputSerializer, request.data)
         base = _base_model(data.get("base_model"))
         tenant, label = tenant_access.tenant, _label(self)
@@ -134,7 +168,7 @@ class AdapterDetailApi(TenantApi):
     def get(self, request, slug: str, adapter_id: int) -> Response:
         tenant_access = self.access(slug)
         adapter = selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
-        access.authorize(tenant_access, "adapter.read")
+        facade.authorize(tenant_access, "adapter.read")
         return Response(AdapterSerializer(adapter).data)
 
 
@@ -143,7 +177,7 @@ class AdapterDeleteApi(TenantApi):
     def delete(self, request, slug: str, adapter_id: int) -> Response:
         tenant_access = self.access(slug)
         adapter = selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
-        access.authorize(tenant_access, "adapter.delete")
+        facade.authorize(tenant_access, "adapter.delete")
         services.adapter_delete(adapter=adapter, actor=tenant_access.actor)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -157,7 +191,7 @@ class AdapterVisibilityApi(TenantApi):
     def post(self, request, slug: str, adapter_id: int) -> Response:
         tenant_access = self.access(slug)
         adapter = selectors.adapter_get(tenant=tenant_access.tenant, adapter_id=adapter_id)
-        access.authorize(tenant_access, "adapter.publish")
+        facade.authorize(tenant_access, "adapter.publish")
         data = validated(AdapterVisibilityApi.InputSerializer, request.data)
         adapter = services.adapter_set_visibility(adapter=adapter, public=data["public"],
                                                   actor=tenant_access.actor)
@@ -177,7 +211,7 @@ class UploadCreateApi(TenantApi):
                    request=InputSerializer, responses={201: UploadSerializer})
     def post(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "adapter.create")
+        facade.authorize(tenant_access, "adapter.create")
         data = validated(UploadCreateApi.InputSerializer, request.data)
         upload = services.upload_create(
             tenant=tenant_access.tenant, name=data["name"], size=data["size"],
@@ -189,7 +223,7 @@ class UploadCreateApi(TenantApi):
 def _upload(api: TenantApi, slug: str, upload_id, action: str) -> AdapterUpload:
     tenant_access = api.access(slug)
     upload = selectors.upload_get(tenant=tenant_access.tenant, upload_id=upload_id)
-    access.authorize(tenant_access, action)
+    facade.authorize(tenant_access, action)
     return upload
 
 
@@ -201,6 +235,7 @@ class UploadDetailApi(TenantApi):
 
 
 class UploadChunkApi(TenantApi):
+    @body_policy(CHUNK_UPLOAD)
     @extend_schema(tags=TAGS, summary="Send the next chunk (raw bytes, with Content-Range)",
                    parameters=[OpenApiParameter("Content-Range", location="header",
                                                 required=True,

@@ -25,9 +25,8 @@ from core.websockets import (
     stop_watching,
     watch_access,
 )
-from tenants import access, facade
-from tenants.access import Actor
-from tenants.selectors import tenant_access_get
+from tenants import facade
+from tenants.facade import Actor
 
 
 async def _actor(authorization: str | None, user, *, fresh: bool = False) -> Actor | None:
@@ -58,11 +57,9 @@ def _user_now(user_id: int):
 def _readable_tenant_id(actor: Actor, slug: str) -> int | None:
     """The tenant's id if the actor may read its adapters, else None."""
     try:
-        tenant_access = tenant_access_get(actor=actor, slug=slug)
-        access.authorize(tenant_access, "adapter.read")
+        return facade.tenant_id_authorized(actor=actor, slug=slug, action="adapter.read")
     except ApiError:
         return None
-    return tenant_access.tenant.pk
 
 
 class AdapterEventsConsumer(AsyncWebsocketConsumer):

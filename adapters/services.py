@@ -29,9 +29,7 @@ from core import lanes
 from core.errors import ApiError, InvalidRequest
 from engine import protocol
 from engine.lora.store import CONFIG_FILE, WEIGHTS_FILE
-from tenants.access import SYSTEM, Actor
-from tenants.models import Tenant
-from tenants.services import audit_record
+from tenants.facade import SYSTEM, Actor, audit_record, tenant_lock
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +75,10 @@ def _check_name(name: str) -> None:
                              code="invalid_value")
 
 
-def _new_version(*, tenant: Tenant, name: str, base_model: str, **fields) -> Adapter:
+def _new_version(*, tenant, name: str, base_model: str, **fields) -> Adapter:
     """The next version of ``name`` in this tenant (inside a transaction)."""
     # NOTE: the tenant row is locked so two uploads never pick the same version.
-    Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+    tenant_lock(tenant_id=tenant.pk)
     latest = Adapter.objects.for_tenant(tenant).filter(name=name).aggregate(
         v=Max("version"))["v"] or 0
     now = timezone.now()
@@ -89,7 +87,7 @@ def _new_version(*, tenant: Tenant, name: str, base_model: str, **fields) -> Ada
                                   **fields)
 
 
-def adapter_register(*, tenant: Tenant, name: str, source_dir: Path, base_model: str,
+def adapter_register(*, tenant, name: str, source_dir: Path, base_model: str,
                      base_model_dir: Path, public: bool = False) -> Adapter:
     """An operator's shortcut: checks a PEFT folder on disk and records it as ready."""
     if not NAME.match(name):
@@ -113,7 +111,7 @@ def _check_size(size: int) -> None:
                              code="invalid_value")
 
 
-def upload_create(*, tenant: Tenant, name: str, base_model: str, size: int, filename: str = "",
+def upload_create(*, tenant, name: str, base_model: str, size: int, filename: str = "",
                   created_by: str = "") -> AdapterUpload:
     """Opens a resumable upload of one archive of ``size`` bytes."""
     _check_name(name)
@@ -174,7 +172,7 @@ def upload_complete(*, upload: AdapterUpload, actor: Actor = SYSTEM) -> Adapter:
     return adapter
 
 
-def upload_archive(*, tenant: Tenant, name: str, base_model: str, data: BinaryIO, size: int,
+def upload_archive(*, tenant, name: str, base_model: str, data: BinaryIO, size: int,
                    filename: str = "", created_by: str = "", actor: Actor = SYSTEM) -> Adapter:
     """A whole archive in one request."""
     upload = upload_create(tenant=tenant, name=name, base_model=base_model, size=size,
@@ -183,7 +181,7 @@ def upload_archive(*, tenant: Tenant, name: str, base_model: str, data: BinaryIO
     return upload_complete(upload=upload, actor=actor)
 
 
-def upload_files(*, tenant: Tenant, name: str, base_model: str, config: BinaryIO,
+def upload_files(*, tenant, name: str, base_model: str, config: BinaryIO,
                  weights: BinaryIO, size: int, created_by: str = "",
                  actor: Actor = SYSTEM) -> Adapter:
     """adapter_config.json and adapter_model.safetensors as two files."""

@@ -1,4 +1,5 @@
-"""Reads of files and batches, always through the tenant (another tenant's are unknown)."""
+"""Reads of files and batches, always through the tenant, known by its id (another
+tenant's are unknown)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from django.db.models import QuerySet
 from batches.models import Batch, File
 
 
-def file_list(*, tenant, purpose: str | None = None, after: str | None = None,
+def file_list(*, tenant_id: int, purpose: str | None = None, after: str | None = None,
               order: str = "desc") -> QuerySet[File]:
-    files = File.objects.for_tenant(tenant).live()
+    files = File.objects.for_tenant_id(tenant_id).live()
     if purpose:
         files = files.filter(purpose=purpose)
     ascending = order == "asc"
@@ -21,8 +22,8 @@ def file_list(*, tenant, purpose: str | None = None, after: str | None = None,
     return files.order_by("created_at" if ascending else "-created_at", "id")
 
 
-def batch_list(*, tenant, after: str | None = None) -> QuerySet[Batch]:
-    batches = Batch.objects.for_tenant(tenant)
+def batch_list(*, tenant_id: int, after: str | None = None) -> QuerySet[Batch]:
+    batches = Batch.objects.for_tenant_id(tenant_id)
     if after:
         anchor = batches.filter(pk=after).values_list("created_at", flat=True).first()
         if anchor is not None:

@@ -78,6 +78,17 @@ class Conflict(ApiError):
     code = "conflict"
 
 
+class BodyTooLarge(ApiError):
+    status = 413
+    code = "request_too_large"
+
+    @classmethod
+    def over(cls, limit: int, hint: str = "") -> BodyTooLarge:
+        """A body past `limit` bytes; `hint` says who may send more."""
+        return cls(f"the request body is larger than {limit} bytes"
+                   + (f" ({hint})" if hint else ""))
+
+
 class RateLimited(ApiError):
     status = 429
     type = "requests"

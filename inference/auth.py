@@ -6,9 +6,12 @@ the same checks, errors and "last used" throttle as every other entry point, wit
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from opentelemetry.trace import Span
 
+from core.bodies import Scope, Sender, authorization
+from core.errors import ApiError
 from core.metrics import AUTH_SECONDS
 from inference import telemetry
 from tenants import facade
@@ -33,3 +36,15 @@ async def authenticate(header: str | None, *, scope: str | None = INFERENCE_SCOP
     telemetry.phase(span, "auth", started)
     return principal
 
+
+async def inference_key_sender(scope: Scope, kwargs: dict[str, Any]) -> Sender | None:
+    """A caller with an API key of the inference scope, any tenant's (core/bodies.py: who
+    may send a batch file past the ordinary body limit); the view authenticates it again."""
+    header = authorization(scope)
+    if header is None:
+        return None
+    try:
+        principal = await facade.aauthenticate(header, scope=INFERENCE_SCOPE)
+    except ApiError:
+        return None
+    return Sender(principal.tenant_id)

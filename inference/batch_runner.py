@@ -32,8 +32,8 @@ from django.conf import settings
 from django.db import DatabaseError, connections
 from django.utils import timezone
 
-from batches import services as batch_services
-from batches.models import Batch, BatchLine
+from batches import facade as batch_facade
+from batches.facade import BatchInfo, PendingLine
 from core.errors import ApiError, RateLimited, ServiceUnavailable
 from core.websockets import RECHECK_S
 from inference import pipeline
@@ -58,7 +58,7 @@ KEY_LOST = {"error": {"message": "The API key that created this batch was revoke
                       "code": "invalid_api_key"}}
 
 
-def _kind(batch: Batch) -> str:
+def _kind(batch: BatchInfo) -> str:
     return "chat" if batch.endpoint == "/v1/chat/completions" else "completion"
 
 
@@ -79,14 +79,14 @@ class _Pending:
     def __init__(self, batch_id: str) -> None:
         self.batch_id = batch_id
         self.after = -1
-        self.page: deque[BatchLine] = deque()
+        self.page: deque[PendingLine] = deque()
         self.done = False
         self.lock = asyncio.Lock()
 
-    async def next(self) -> BatchLine | None:
+    async def next(self) -> PendingLine | None:
         async with self.lock:
             if not self.page and not self.done:
-                page = await sync_to_async(batch_services.lines_pending)(
+                page = await sync_to_async(batch_facade.lines_pending)(
                     batch_id=self.batch_id, after_index=self.after, limit=PAGE)
                 self.page.extend(page)
                 self.done = len(page) < PAGE
@@ -96,7 +96,7 @@ class _Pending:
 
 
 class Runner:
-    def __init__(self, batch: Batch, principal: Principal | None) -> None:
+    def __init__(self, batch: BatchInfo, principal: Principal | None) -> None:
         self.batch = batch
         self.principal = principal
         self.stopping = asyncio.Event()
@@ -116,17 +116,17 @@ class Runner:
             for watcher in watchers:
                 watcher.cancel()
         if self.key_lost:
-            failed = await sync_to_async(batch_services.lines_fail_pending)(
+            failed = await sync_to_async(batch_facade.lines_fail_pending)(
                 batch_id=self.batch.id, status_code=401, error=KEY_LOST)
             log.warning("batch %s: its key was revoked or expired; %d lines not answered "
                         "failed", self.batch.id, failed)
-        await sync_to_async(batch_services.batch_finalize)(batch_id=self.batch.id)
+        await sync_to_async(batch_facade.batch_finalize)(batch_id=self.batch.id)
 
     async def _heartbeat(self) -> None:
         while True:
-            status = await sync_to_async(batch_services.batch_heartbeat)(
+            status = await sync_to_async(batch_facade.batch_heartbeat)(
                 batch_id=self.batch.id)
-            if status != Batch.Status.IN_PROGRESS or timezone.now() >= self.batch.expires_at:
+            if status != batch_facade.IN_PROGRESS or timezone.now() >= self.batch.expires_at:
                 self.stopping.set()  # cancelled or expired: no new line starts
             await asyncio.sleep(_heartbeat_s())
 
@@ -156,8 +156,8 @@ class Runner:
                 return
             await self._line(line)
 
-    async def _line(self, line: BatchLine) -> None:
-        await sync_to_async(batch_services.line_attempted)(line_id=line.pk)
+    async def _line(self, line: PendingLine) -> None:
+        await sync_to_async(batch_facade.line_attempted)(line_id=line.id)
         while not self.stopping.is_set():
             attempt = asyncio.ensure_future(self._attempt(line))
             self.in_flight.add(attempt)
@@ -178,7 +178,7 @@ class Runner:
             await self._record(line, True, 200, result, None)
             return
 
-    async def _attempt(self, line: BatchLine) -> dict[str, Any]:
+    async def _attempt(self, line: PendingLine) -> dict[str, Any]:
         run = pipeline.Run(self.principal, _kind(self.batch), transport="batch")
         try:
             async with run:
@@ -192,7 +192,7 @@ class Runner:
                               self.batch.id, line.index, line.custom_id, request_id)
             raise
 
-    async def _failed(self, line: BatchLine, exc: Exception) -> None:
+    async def _failed(self, line: PendingLine, exc: Exception) -> None:
         if isinstance(exc, ApiError):
             await self._record(line, False, exc.status, None, exc.body())
         else:
@@ -206,11 +206,11 @@ class Runner:
         except TimeoutError:
             pass
 
-    async def _record(self, line: BatchLine, ok: bool, status: int,
+    async def _record(self, line: PendingLine, ok: bool, status: int,
                       response: dict | None, error: dict | None) -> None:
-        record = sync_to_async(batch_services.line_record)
+        record = sync_to_async(batch_facade.line_record)
         try:
-            await record(line_id=line.pk, ok=ok, status_code=status, response=response,
+            await record(line_id=line.id, ok=ok, status_code=status, response=response,
                          error=error)
         except DatabaseError as exc:
             # An answer the database cannot hold (a model can write U+0000, which
@@ -218,7 +218,7 @@ class Runner:
             # and a line run again for the batch's whole window.
             log.exception("batch %s line %d: its answer could not be recorded",
                           self.batch.id, line.index)
-            await record(line_id=line.pk, ok=False, status_code=500, response=None,
+            await record(line_id=line.id, ok=False, status_code=500, response=None,
                          error=_internal_error(exc))
 
 
@@ -227,12 +227,12 @@ async def run_batch(batch_id: str) -> str:
     # NOTE: the database calls share one thread (sync_to_async's default), whose connection
     # is closed when the batch is done: a worker runs many batches.
     try:
-        batch = await sync_to_async(batch_services.batch_claim)(batch_id=batch_id)
+        batch = await sync_to_async(batch_facade.batch_claim)(batch_id=batch_id)
         if batch is None:
             return "not claimed"  # ended, another runner holds it, or its tenant's turn
         try:
-            batch = await sync_to_async(batch_services.batch_expand)(batch_id=batch_id)
-            if batch.status == Batch.Status.FAILED:
+            batch = await sync_to_async(batch_facade.batch_expand)(batch_id=batch_id)
+            if batch.status == batch_facade.FAILED:
                 return "failed"
             principal = await sync_to_async(principal_by_key_id)(api_key_id=batch.api_key_id)
             began = time.monotonic()
@@ -241,7 +241,7 @@ async def run_batch(batch_id: str) -> str:
             return "ran"
         finally:
             # One of its tenant's runners is free: its next batch need not wait for the beat.
-            await sync_to_async(batch_services.batches_waiting_enqueue)(
+            await sync_to_async(batch_facade.batches_waiting_enqueue)(
                 tenant_id=batch.tenant_id)
     finally:
         await sync_to_async(connections.close_all)()

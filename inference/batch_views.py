@@ -12,19 +12,18 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.core.files.uploadhandler import TemporaryFileUploadHandler
 from django.db import close_old_connections
-from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from batches import selectors as batch_selectors
-from batches import services as batch_services
-from batches.models import Batch, File
+from batches import facade as batch_facade
+from batches.facade import BatchInfo, FileInfo
+from core.bodies import MULTIPART_FRAMING, BodyPolicy, body_policy
 from core.errors import ApiError, InvalidRequest
-from inference.auth import authenticate
+from inference.auth import authenticate, inference_key_sender
 from inference.views import json_body
-from tenants.facade import Principal, Tenant, tenant_of
+from tenants.facade import Principal
 
-# (request, the caller's principal, its tenant, the URL's arguments) -> the answer
+# (request, the caller's principal, the URL's arguments) -> the answer
 Handler = Callable[..., HttpResponse]
 
 # NOTE: the handlers run on threads of their own: never the process's one thread-sensitive
@@ -62,6 +61,11 @@ class TenantTurns:
 
 upload_turns = TenantTurns()
 
+# A batch input file past the ordinary body limit, from a caller with an inference key.
+FILE_UPLOAD = BodyPolicy(limit_setting="ATRIUM_FILE_MAX_BYTES", framing=MULTIPART_FRAMING,
+                         sender=inference_key_sender, turn=upload_turns.turn,
+                         hint="larger files need an API key with the inference scope")
+
 
 def upload(handler: Handler) -> Handler:
     """Marks a handler that reads a whole upload: it runs on the upload threads."""
@@ -71,9 +75,9 @@ def upload(handler: Handler) -> Handler:
 
 def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
     """One URL's view from a handler per method. A handler is synchronous: it runs off the
-    event loop in one hop, on the Files and Batch APIs' own threads, with the caller's
-    tenant looked up in the same hop. Errors are OpenAI-shaped; no CSRF (the API
-    authenticates by header)."""
+    event loop in one hop, on the Files and Batch APIs' own threads, and acts for the
+    principal's tenant. Errors are OpenAI-shaped; no CSRF (the API authenticates by
+    header)."""
 
     def run(handler: Handler, request: HttpRequest, principal: Principal,
             kwargs: dict[str, Any]) -> HttpResponse:
@@ -81,7 +85,7 @@ def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
         # Django's request signals do for the thread they run on).
         close_old_connections()
         try:
-            return handler(request, principal, tenant_of(principal), **kwargs)
+            return handler(request, principal, **kwargs)
         except ApiError as exc:
             return exc.response()
         finally:
@@ -102,6 +106,7 @@ def methods(**handlers: Handler) -> Callable[..., Awaitable[HttpResponse]]:
         return await sync_to_async(run, thread_sensitive=False, executor=executor)(
             handler, request, principal, kwargs)
 
+    view.handlers = handlers  # type: ignore[attr-defined] # where core.bodies finds policies
     return view
 
 
@@ -114,14 +119,14 @@ def _ts(moment) -> int | None:
     return None if moment is None else int(moment.timestamp())
 
 
-def file_object(f: File) -> dict[str, Any]:
+def file_object(f: FileInfo) -> dict[str, Any]:
     return {"id": f.id, "object": "file", "bytes": f.bytes,
             "created_at": int(f.created_at.timestamp()), "filename": f.filename,
             "purpose": f.purpose, "status": "processed", "status_details": None,
             "expires_at": _ts(f.expires_at)}
 
 
-def batch_object(b: Batch) -> dict[str, Any]:
+def batch_object(b: BatchInfo) -> dict[str, Any]:
     return {
         "id": b.id, "object": "batch", "endpoint": b.endpoint,
         "errors": b.errors, "input_file_id": b.input_file_ref,
@@ -137,16 +142,17 @@ def batch_object(b: Batch) -> dict[str, Any]:
     }
 
 
-def _page(rows: QuerySet, request: HttpRequest, to_object: Callable[[Any], dict[str, Any]],
-          *, default: int = 20, most: int = 100) -> HttpResponse:
-    """A list page in OpenAI's shape: up to ``limit`` of ``rows`` (ordered, after any
-    ``after``), whether more follow, and the first and last ids."""
+def _page(fetch: Callable[[int], list[Any]], request: HttpRequest,
+          to_object: Callable[[Any], dict[str, Any]], *, default: int = 20,
+          most: int = 100) -> HttpResponse:
+    """A list page in OpenAI's shape: up to ``limit`` rows (``fetch(n)``: the first n, in
+    order, after any ``after``), whether more follow, and the first and last ids."""
     raw = request.GET.get("limit", str(default))
     if not _whole(raw) or not 1 <= int(raw) <= most:
         raise InvalidRequest(f"limit must be a whole number from 1 to {most}", param="limit",
                              code="invalid_value")
     limit = int(raw)
-    found = [to_object(row) for row in rows[:limit + 1]]
+    found = [to_object(row) for row in fetch(limit + 1)]
     items = found[:limit]
     return JsonResponse({"object": "list", "data": items,
                          "first_id": items[0]["id"] if items else None,
@@ -180,14 +186,15 @@ def _expires_after(form: Any) -> int | None:
                              param="expires_after[anchor]", code="invalid_value")
     seconds = given["expires_after[seconds]"]
     if not _whole(seconds):  # its range is the service's to check
-        low, high = batch_services.EXPIRES_AFTER_S
+        low, high = batch_facade.EXPIRES_AFTER_S
         raise InvalidRequest(f"expires_after[seconds] must be a whole number from {low} to "
                              f"{high}", param="expires_after[seconds]", code="invalid_value")
     return int(seconds)
 
 
+@body_policy(FILE_UPLOAD)
 @upload
-def _file_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
+def _file_create(request: HttpRequest, principal: Principal) -> HttpResponse:
     # NOTE: parsed into a temporary file whatever its size (Django's default would keep
     # one of up to FILE_UPLOAD_MAX_MEMORY_SIZE in memory), then read from there in chunks.
     request.upload_handlers = [TemporaryFileUploadHandler(request)]
@@ -199,34 +206,34 @@ def _file_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> 
     if not purpose:
         raise InvalidRequest("'purpose' is required", param="purpose",
                              code="missing_required_parameter")
-    return JsonResponse(file_object(batch_services.file_create(
-        tenant=tenant, filename=upload_file.name or "", purpose=purpose, data=upload_file,
-        expires_after_s=_expires_after(request.POST))))
+    return JsonResponse(file_object(batch_facade.file_create(
+        tenant_id=principal.tenant_id, filename=upload_file.name or "", purpose=purpose,
+        data=upload_file, expires_after_s=_expires_after(request.POST))))
 
 
-def _file_list(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
-    rows = batch_selectors.file_list(tenant=tenant, purpose=request.GET.get("purpose"),
-                                     after=request.GET.get("after"),
-                                     order=request.GET.get("order", "desc"))
-    return _page(rows, request, file_object, default=100, most=10_000)
+def _file_list(request: HttpRequest, principal: Principal) -> HttpResponse:
+    def fetch(limit: int) -> list[FileInfo]:
+        return batch_facade.file_list(
+            tenant_id=principal.tenant_id, purpose=request.GET.get("purpose"),
+            after=request.GET.get("after"), order=request.GET.get("order", "desc"),
+            limit=limit)
+
+    return _page(fetch, request, file_object, default=100, most=10_000)
 
 
-def _file_get(request: HttpRequest, principal: Principal, tenant: Tenant,
-              file_id: str) -> HttpResponse:
-    return JsonResponse(file_object(batch_services.file_get(tenant=tenant, file_id=file_id)))
+def _file_get(request: HttpRequest, principal: Principal, file_id: str) -> HttpResponse:
+    return JsonResponse(file_object(batch_facade.file_get(tenant_id=principal.tenant_id,
+                                                          file_id=file_id)))
 
 
-def _file_delete(request: HttpRequest, principal: Principal, tenant: Tenant,
-                 file_id: str) -> HttpResponse:
-    batch_services.file_delete(tenant=tenant, file_id=file_id)
+def _file_delete(request: HttpRequest, principal: Principal, file_id: str) -> HttpResponse:
+    batch_facade.file_delete(tenant_id=principal.tenant_id, file_id=file_id)
     return JsonResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-def _file_content(request: HttpRequest, principal: Principal, tenant: Tenant,
-                  file_id: str) -> HttpResponse:
-    found = batch_services.file_get(tenant=tenant, file_id=file_id)
-    response = StreamingHttpResponse(_chunks(batch_services.file_content(found)),
-                                     content_type="application/jsonl")
+def _file_content(request: HttpRequest, principal: Principal, file_id: str) -> HttpResponse:
+    found, handle = batch_facade.file_open(tenant_id=principal.tenant_id, file_id=file_id)
+    response = StreamingHttpResponse(_chunks(handle), content_type="application/jsonl")
     response["Content-Length"] = str(found.bytes)
     response["Content-Disposition"] = f'attachment; filename="{found.id}.jsonl"'
     return response
@@ -249,7 +256,7 @@ file_content = methods(get=_file_content)
 
 # --- batches -------------------------------------------------------------------------------
 
-def _batch_create(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
+def _batch_create(request: HttpRequest, principal: Principal) -> HttpResponse:
     body = json_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_value")
@@ -262,27 +269,28 @@ def _batch_create(request: HttpRequest, principal: Principal, tenant: Tenant) ->
         if not isinstance(body.get(name), str):
             raise InvalidRequest(f"'{name}' is required, a string", param=name,
                                  code="missing_required_parameter")
-    return JsonResponse(batch_object(batch_services.batch_create(
-        tenant=tenant, api_key_id=principal.api_key_id, input_file_id=body["input_file_id"],
-        endpoint=body["endpoint"], completion_window=body["completion_window"],
-        metadata=body.get("metadata"))))
+    return JsonResponse(batch_object(batch_facade.batch_create(
+        tenant_id=principal.tenant_id, api_key_id=principal.api_key_id,
+        input_file_id=body["input_file_id"], endpoint=body["endpoint"],
+        completion_window=body["completion_window"], metadata=body.get("metadata"))))
 
 
-def _batch_list(request: HttpRequest, principal: Principal, tenant: Tenant) -> HttpResponse:
-    rows = batch_selectors.batch_list(tenant=tenant, after=request.GET.get("after"))
-    return _page(rows, request, batch_object)
+def _batch_list(request: HttpRequest, principal: Principal) -> HttpResponse:
+    def fetch(limit: int) -> list[BatchInfo]:
+        return batch_facade.batch_list(tenant_id=principal.tenant_id,
+                                       after=request.GET.get("after"), limit=limit)
+
+    return _page(fetch, request, batch_object)
 
 
-def _batch_get(request: HttpRequest, principal: Principal, tenant: Tenant,
-               batch_id: str) -> HttpResponse:
-    return JsonResponse(batch_object(batch_services.batch_get(tenant=tenant,
-                                                              batch_id=batch_id)))
+def _batch_get(request: HttpRequest, principal: Principal, batch_id: str) -> HttpResponse:
+    return JsonResponse(batch_object(batch_facade.batch_get(tenant_id=principal.tenant_id,
+                                                            batch_id=batch_id)))
 
 
-def _batch_cancel(request: HttpRequest, principal: Principal, tenant: Tenant,
-                  batch_id: str) -> HttpResponse:
-    return JsonResponse(batch_object(batch_services.batch_cancel(tenant=tenant,
-                                                                 batch_id=batch_id)))
+def _batch_cancel(request: HttpRequest, principal: Principal, batch_id: str) -> HttpResponse:
+    return JsonResponse(batch_object(batch_facade.batch_cancel(tenant_id=principal.tenant_id,
+                                                               batch_id=batch_id)))
 
 
 batches = methods(post=_batch_create, get=_batch_list)

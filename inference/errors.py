@@ -5,6 +5,7 @@ from __future__ import annotations
 from core.errors import (
     ApiError,
     AuthenticationFailed,
+    BodyTooLarge,
     InvalidRequest,
     PermissionDenied,
     QuotaExceeded,
@@ -41,11 +42,6 @@ class TooLargeForRateLimit(RateLimited):
 class ContextLengthExceeded(ApiError):
     status = 400
     code = "context_length_exceeded"
-
-
-class BodyTooLarge(ApiError):
-    status = 413
-    code = "request_too_large"
 
 
 class NoEngineAvailable(ApiError):

@@ -30,7 +30,7 @@ from adapters.facade import (
     adapter_resolve,
     parse_model,
 )
-from billing import pricing
+from billing import facade as billing
 from core.redis import async_client
 from core.served_models import ChatTemplateError, ServedModel, served_models
 from engine import protocol
@@ -69,7 +69,7 @@ class Prepared:
     engine_request: protocol.EngineRequest
     principal: Principal | None = None
     tools: ToolRequest | None = None  # tools the model may call, and how
-    price: pricing.Quote = pricing.FREE  # what a token costs it, for its budgets
+    price: billing.Quote = billing.FREE  # what a token costs it, for its budgets
     # Completions with echo: each prompt's text, sent before each of its choices.
     echo: list[str] = field(default_factory=list)
     # The conversation it belongs to, as the client said (x-session-id), for placement.
@@ -251,7 +251,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
         echo = [text if isinstance(text, str) else
                 model.tokenizer.decode(ids, skip_special_tokens=False)
                 for text, ids in zip(parsed.prompts, prompts, strict=True)]
-    price = pricing.quote(model.name, adapter.display_name if adapter else "",
+    price = billing.quote(model.name, adapter.display_name if adapter else "",
                           batch=batch_line is not None)
     return Prepared(kind=kind, created=int(time.time()), model=model, adapter=adapter,
                     params=params, engine_request=engine_request, principal=principal,

@@ -6,9 +6,9 @@ from datetime import UTC, date, datetime
 
 from celery import shared_task
 
-from batches import services as batch_services
+from batches import facade as batch_facade
 from batches.tasknames import BATCH_RUN
-from billing.selectors import tokens_used_between
+from billing.facade import tokens_used_between
 from core.redis import sync_client
 from engine import protocol
 from inference import admission as quota
@@ -86,4 +86,4 @@ def batch_run(batch_id: str) -> str:
 @shared_task(name=tasknames.BATCHES_RESUME)
 def batches_resume() -> int:
     """Starts a runner for each active batch whose runner died."""
-    return batch_services.batches_resume()
+    return batch_facade.batches_resume()

@@ -12,6 +12,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -44,14 +45,13 @@ def api_view(method: str) -> Callable[[View], View]:
 
 
 def json_body(request: HttpRequest) -> Any:
-    length = int(request.headers.get("Content-Length") or 0)
-    if length > settings.ATRIUM_MAX_BODY_BYTES:
-        raise BodyTooLarge(f"the request body is larger than {settings.ATRIUM_MAX_BODY_BYTES} "
-                           "bytes")
+    """The request's JSON. Its size was checked before Django read it (core/bodies.py);
+    Django's own cap (DATA_UPLOAD_MAX_MEMORY_SIZE, the same number) answers for a request
+    that did not come through the server, such as the test client's."""
     try:
         raw = request.body
-    except Exception as exc:  # RequestDataTooBig and friends
-        raise BodyTooLarge("the request body is too large") from exc
+    except RequestDataTooBig as exc:
+        raise BodyTooLarge.over(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) from exc
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: "[[[[…"

@@ -14,10 +14,9 @@ from core.errors import InvalidRequest
 from redaction.custom import MAX_PATTERN_CHARS
 from requestlogs import selectors, services
 from requestlogs.models import RequestLog
-from tenants import access
 from tenants.apis.base import Api, StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
-from tenants.selectors import tenant_access_get
+from tenants.facade import authorize, tenant_id_authorized
 
 TAGS = ["request logs"]
 
@@ -110,7 +109,7 @@ class RequestLogListApi(TenantApi):
                    responses=OutputSerializer, parameters=_FILTER_PARAMETERS)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "log.read")
+        authorize(tenant_access, "log.read")
         query = validated(_FilterSerializer, request.query_params.dict())
         logs = selectors.request_log_list(tenant=tenant_access.tenant, filters=_filters(query))
         return Response(_page(logs, query["limit"], RequestLogSerializer))
@@ -122,7 +121,7 @@ class RequestLogDetailApi(TenantApi):
     def get(self, request, slug: str, request_id: str) -> Response:
         tenant_access = self.access(slug)
         found = selectors.request_log_get(tenant=tenant_access.tenant, request_id=request_id)
-        access.authorize(tenant_access, "log.read")
+        authorize(tenant_access, "log.read")
         return Response(RequestLogDetailSerializer(found).data)
 
 
@@ -139,9 +138,9 @@ class OperatorRequestLogListApi(Api):
         actor = self.staff_actor()
         query = validated(OperatorRequestLogListApi.FilterSerializer,
                           request.query_params.dict())
-        tenant = (tenant_access_get(actor=actor, slug=query["tenant"]).tenant
-                  if "tenant" in query else None)
-        logs = selectors.request_log_list_all(filters=_filters(query), tenant=tenant)
+        tenant_id = (tenant_id_authorized(actor=actor, slug=query["tenant"], action="log.read")
+                     if "tenant" in query else None)
+        logs = selectors.request_log_list_all(filters=_filters(query), tenant_id=tenant_id)
         return Response(_page(logs, query["limit"], OperatorRequestLogSerializer))
 
 
@@ -162,7 +161,7 @@ class LogSettingsDetailApi(TenantApi):
                    responses=LogSettingsSerializer)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "log.read")
+        authorize(tenant_access, "log.read")
         policy = selectors.log_policy_get(tenant_id=tenant_access.tenant.pk)
         return Response(LogSettingsSerializer(policy).data)
 
@@ -177,7 +176,7 @@ class LogSettingsUpdateApi(TenantApi):
                    request=InputSerializer, responses=LogSettingsSerializer)
     def patch(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "log.manage")
+        authorize(tenant_access, "log.manage")
         data = validated(LogSettingsUpdateApi.InputSerializer, request.data)
         policy = services.log_policy_update(tenant=tenant_access.tenant,
                                             actor=tenant_access.actor, **data)
@@ -205,7 +204,7 @@ class RedactionPatternListApi(TenantApi):
                    responses=OutputSerializer)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "log.read")
+        authorize(tenant_access, "log.read")
         patterns = selectors.redaction_pattern_list(tenant=tenant_access.tenant)
         return Response(listing(RedactionPatternSerializer(patterns, many=True).data))
 
@@ -221,7 +220,7 @@ class RedactionPatternCreateApi(TenantApi):
                    request=InputSerializer, responses={201: RedactionPatternSerializer})
     def post(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "log.manage")
+        authorize(tenant_access, "log.manage")
         data = validated(RedactionPatternCreateApi.InputSerializer, request.data)
         created = services.redaction_pattern_create(tenant=tenant_access.tenant,
                                                     actor=tenant_access.actor, **data)
@@ -234,7 +233,7 @@ class RedactionPatternDeleteApi(TenantApi):
     def delete(self, request, slug: str, pattern_id: int) -> Response:
         tenant_access = self.access(slug)
         selectors.redaction_pattern_get(tenant=tenant_access.tenant, pattern_id=pattern_id)
-        access.authorize(tenant_access, "log.manage")
+        authorize(tenant_access, "log.manage")
         services.redaction_pattern_delete(tenant=tenant_access.tenant,
                                           actor=tenant_access.actor, pattern_id=pattern_id)
         return Response(status=status.HTTP_204_NO_CONTENT)

@@ -13,7 +13,6 @@ from core.errors import NotFound
 from redaction import Detector
 from redaction.custom import compile_pattern
 from requestlogs.models import LogPolicy, RedactionPattern, RequestLog
-from tenants.models import Tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,17 +44,17 @@ def _filtered(logs: QuerySet[RequestLog], filters: RequestLogFilter) -> QuerySet
     return logs.order_by("-id")
 
 
-def request_log_list(*, tenant: Tenant, filters: RequestLogFilter) -> QuerySet[RequestLog]:
+def request_log_list(*, tenant, filters: RequestLogFilter) -> QuerySet[RequestLog]:
     """The tenant's logs, newest first."""
     return _filtered(RequestLog.objects.for_tenant(tenant), filters)
 
 
 def request_log_list_all(*, filters: RequestLogFilter,
-                         tenant: Tenant | None = None) -> QuerySet[RequestLog]:
+                         tenant_id: int | None = None) -> QuerySet[RequestLog]:
     """The operator's view: every tenant's logs (or one tenant's), newest first."""
     logs = RequestLog.objects.select_related("tenant")
-    if tenant is not None:
-        logs = logs.for_tenant(tenant)
+    if tenant_id is not None:
+        logs = logs.for_tenant_id(tenant_id)
     return _filtered(logs, filters)
 
 
@@ -79,7 +78,7 @@ def _stored_forms(request_id: str) -> list[str]:
     return [request_id, *(prefix + request_id for prefix in _PREFIXES)]
 
 
-def request_log_get(*, tenant: Tenant, request_id: str) -> RequestLog:
+def request_log_get(*, tenant, request_id: str) -> RequestLog:
     """By the id the client got (``chatcmpl-…``, ``cmpl-…``), or by its hex part."""
     found = (RequestLog.objects.for_tenant(tenant)
              .filter(request_id__in=_stored_forms(request_id)).order_by("id").first())
@@ -97,11 +96,11 @@ def log_policy_get(*, tenant_id: int) -> LogPolicy:
     return policy
 
 
-def redaction_pattern_list(*, tenant: Tenant) -> QuerySet[RedactionPattern]:
+def redaction_pattern_list(*, tenant) -> QuerySet[RedactionPattern]:
     return RedactionPattern.objects.for_tenant(tenant).order_by("name")
 
 
-def redaction_pattern_get(*, tenant: Tenant, pattern_id: int) -> RedactionPattern:
+def redaction_pattern_get(*, tenant, pattern_id: int) -> RedactionPattern:
     found = RedactionPattern.objects.for_tenant(tenant).filter(pk=pattern_id).first()
     if found is None:
         raise NotFound(f"no redaction pattern {pattern_id} in tenant '{tenant.slug}'")

@@ -23,8 +23,7 @@ from redaction import redact, redact_json
 from redaction.custom import PatternRejected, compile_pattern
 from requestlogs import selectors
 from requestlogs.models import LogPolicy, RedactionPattern, RequestLog
-from tenants.facade import Actor, audit_record
-from tenants.models import Tenant
+from tenants.facade import Actor, audit_record, tenant_lock
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +142,7 @@ def _policy_snapshot(policy: LogPolicy) -> dict[str, Any]:
 
 
 @transaction.atomic
-def log_policy_update(*, tenant: Tenant, actor: Actor, log_bodies: bool | None = None,
+def log_policy_update(*, tenant, actor: Actor, log_bodies: bool | None = None,
                       retention_days: int | None = None) -> LogPolicy:
     limit = settings.ATRIUM_LOG_MAX_RETENTION_DAYS
     if retention_days is not None and not 1 <= retention_days <= limit:
@@ -171,7 +170,7 @@ def _pattern_snapshot(pattern: RedactionPattern) -> dict[str, Any]:
 
 
 @transaction.atomic
-def redaction_pattern_create(*, tenant: Tenant, actor: Actor, name: str,
+def redaction_pattern_create(*, tenant, actor: Actor, name: str,
                              pattern: str) -> RedactionPattern:
     """Validates the pattern (redaction.custom: linear-time dialect, not too broad) first."""
     if not PATTERN_NAME.match(name):
@@ -184,7 +183,7 @@ def redaction_pattern_create(*, tenant: Tenant, actor: Actor, name: str,
         raise InvalidRequest(f"'pattern' is not accepted: {exc}", param="pattern",
                              code="invalid_pattern") from None
     # Locks the tenant's row, so two creations cannot both pass the count check.
-    Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+    tenant_lock(tenant_id=tenant.pk)
     existing = RedactionPattern.objects.for_tenant(tenant)
     if existing.filter(name=name).exists():
         raise Conflict(f"a pattern named '{name}' exists already", param="name")
@@ -199,7 +198,7 @@ def redaction_pattern_create(*, tenant: Tenant, actor: Actor, name: str,
 
 
 @transaction.atomic
-def redaction_pattern_delete(*, tenant: Tenant, actor: Actor, pattern_id: int) -> None:
+def redaction_pattern_delete(*, tenant, actor: Actor, pattern_id: int) -> None:
     pattern = selectors.redaction_pattern_get(tenant=tenant, pattern_id=pattern_id)
     before = _pattern_snapshot(pattern)
     pattern.delete()

@@ -2,34 +2,90 @@
 
 The inference API and the adapter-events websocket check API keys with the one
 authenticator (`aauthenticate`, tenants/authentication.py), which also records each
-key's use. Other apps' services audit their
-changes to a tenant's settings through `audit_record`. Billing checks the tenants
-its usage reports name (`tenant_ids_existing`), labels ledger rows with key
-prefixes (`api_key_prefixes`) and its metrics with slugs (`tenant_slugs`), and finds
-each tenant's plan (`tenant_plans`); its budgets check a key is the tenant's
+key's use; the batch runner rechecks its key (`principal_by_key_id`). The other apps'
+management APIs check each operation (`authorize`, `allowed`) on the `TenantAccess`
+that tenants' API toolkit (tenants/apis/base.py) hands them; the adapter-events
+websocket and the request logs' operator view check a tenant named by its slug
+(`tenant_id_authorized`). Other apps' services audit their changes to a tenant's
+settings through `audit_record`, as an `Actor` (`SYSTEM`: the operator's commands), and
+take one tenant's check-then-write one at a time under `tenant_lock` (adapter versions,
+redaction patterns, the Batch API's files and batches, whose limits are the plan's:
+`tenant_plan_limit`). Billing checks the tenants its usage reports name
+(`tenant_ids_existing`), labels ledger rows with key prefixes (`api_key_prefixes`) and
+its metrics with slugs (`tenant_slugs`), and finds each tenant's plan (`tenant_plans`)
+and a plan by its slug (`plan_ref_get`); its budgets check a key is the tenant's
 (`api_key_belongs`), count a key with its rotations (`api_key_lineages`,
 `api_key_lineage_members`) and email alerts to those who pay (`tenant_payer_emails`).
+Admission imports `Principal` from tenants/principals.py itself: it runs where Django is
+not set up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from django.db.models import Q
 
-from tenants.access import Actor
+from tenants.access import SYSTEM, Actor, allowed, authorize
 from tenants.authentication import aauthenticate, authenticate, is_bearer
-from tenants.models import ApiKey, Membership, Role, Tenant
+from tenants.models import ApiKey, Membership, Plan, Role, Tenant
 from tenants.principals import Limits, Principal
-from tenants.selectors import principal_by_key_id, principal_from_api_key
+from tenants.selectors import (
+    plan_get,
+    principal_by_key_id,
+    principal_from_api_key,
+    tenant_access_get,
+)
 from tenants.services import audit_record
 
 __all__ = [
-    "Actor", "Limits", "Principal", "Tenant", "aauthenticate", "api_key_belongs",
-    "api_key_lineage_members", "api_key_lineages", "api_key_prefixes", "audit_record",
-    "authenticate", "is_bearer", "principal_by_key_id", "principal_from_api_key",
-    "tenant_ids_existing", "tenant_of", "tenant_payer_emails", "tenant_plans", "tenant_slugs",
+    "SYSTEM", "Actor", "Limits", "PlanRef", "Principal", "aauthenticate", "allowed",
+    "api_key_belongs", "api_key_lineage_members", "api_key_lineages", "api_key_prefixes",
+    "audit_record", "authenticate", "authorize", "is_bearer", "plan_ref_get",
+    "principal_by_key_id", "principal_from_api_key", "tenant_id_authorized",
+    "tenant_ids_existing", "tenant_lock", "tenant_payer_emails", "tenant_plan_limit",
+    "tenant_plans", "tenant_slugs",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRef:
+    """A plan as other apps name it."""
+
+    id: int
+    slug: str
+
+
+def plan_ref_get(*, slug: str) -> PlanRef:
+    """Plan `slug`; NotFound (404) when there is none."""
+    plan = plan_get(slug=slug)
+    return PlanRef(id=plan.pk, slug=plan.slug)
+
+
+def tenant_id_authorized(*, actor: Actor, slug: str, action: str) -> int:
+    """The id of tenant `slug` once the actor may do `action` in it: NotFound (404) when it
+    may not see the tenant (or there is none), PermissionDenied (403) when it may see it
+    but not do that."""
+    tenant_access = tenant_access_get(actor=actor, slug=slug)
+    authorize(tenant_access, action)
+    return tenant_access.tenant.pk
+
+
+def tenant_lock(*, tenant_id: int, no_key: bool = False) -> None:
+    """Holds the tenant's row until the transaction ends (call it inside
+    `transaction.atomic`): the caller's checks and writes for this tenant that follow run
+    one transaction at a time. FOR UPDATE, as tenants' own services take it; `no_key`: FOR
+    NO KEY UPDATE, which still orders such callers but leaves the rows that refer to the
+    tenant (its usage records, written by ingest) free to be inserted meanwhile."""
+    Tenant.objects.select_for_update(no_key=no_key).filter(pk=tenant_id).values_list(
+        "pk").first()
+
+
+def tenant_plan_limit(*, tenant_id: int, name: str) -> int | None:
+    """The tenant's plan's limit `name` (max_files, max_file_bytes, max_active_batches);
+    None when its plan sets none."""
+    return Plan.objects.filter(tenants__pk=tenant_id).values_list(name, flat=True).first()
 
 
 def tenant_ids_existing(ids: Iterable[int]) -> set[int]:
@@ -78,8 +134,3 @@ def tenant_payer_emails(tenant_id: int) -> list[str]:
     return sorted({email for email in Membership.objects.filter(
         tenant_id=tenant_id, role__in=[Role.OWNER, Role.ADMIN, Role.BILLING],
         user__is_active=True).values_list("user__email", flat=True) if email})
-
-
-def tenant_of(principal: Principal) -> Tenant:
-    """The tenant a key acts for (the Files and Batch APIs' services take the tenant)."""
-    return Tenant.objects.get(pk=principal.tenant_id)

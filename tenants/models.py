@@ -28,10 +28,14 @@ class Scope(models.TextChoices):
 
 class TenantOwnedQuerySet(models.QuerySet):
     def for_tenant(self, tenant: Tenant) -> TenantOwnedQuerySet:
+        return self.for_tenant_id(None if tenant is None else tenant.pk)
+
+    def for_tenant_id(self, tenant_id: int | None) -> TenantOwnedQuerySet:
+        """For apps that know the tenant by its id (the Batch API's services)."""
         # NOTE: fails closed: no tenant is an error, never "every tenant".
-        if tenant is None or tenant.pk is None:
+        if tenant_id is None:
             raise ValueError("a saved tenant is required")
-        return self.filter(tenant_id=tenant.pk)
+        return self.filter(tenant_id=tenant_id)
 
 
 class Plan(models.Model):

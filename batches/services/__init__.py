@@ -1,7 +1,8 @@
 """Writes of files and batches, one module per concern: files (uploads checked as a
 stream, expiry), batches (made and cancelled by their owner), running (what the batch
 runner, inference/batch_runner.py, calls), and the tenant's limits. The names other code
-uses are re-exported here; every tenant-owned read and write takes the tenant."""
+uses are re-exported here; every tenant-owned read and write takes the tenant's id.
+Other apps use batches/facade.py."""
 
 from __future__ import annotations
 

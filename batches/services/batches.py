@@ -48,7 +48,7 @@ def _endpoint_check(source: File, endpoint: str) -> None:
                              f"{endpoint}", param="input_file_id", code="invalid_value")
 
 
-def batch_create(*, tenant, api_key_id: int, input_file_id: str, endpoint: str,
+def batch_create(*, tenant_id: int, api_key_id: int, input_file_id: str, endpoint: str,
                  completion_window: str, metadata: Any = None) -> Batch:
     """A batch of the input file's requests, queued to run (``validating`` until a runner
     makes its lines from the file); every line must call ``endpoint``. 429 when the
@@ -60,18 +60,19 @@ def batch_create(*, tenant, api_key_id: int, input_file_id: str, endpoint: str,
         raise InvalidRequest("completion_window must be 24h", param="completion_window",
                              code="invalid_value")
     metadata = _metadata(metadata)
-    source = file_get(tenant=tenant, file_id=input_file_id)
+    source = file_get(tenant_id=tenant_id, file_id=input_file_id)
     if source.purpose != "batch":
         raise InvalidRequest(f"file {source.id} was not uploaded with purpose batch",
                              param="input_file_id", code="invalid_value")
     _endpoint_check(source, endpoint)
-    limits.active_batches_check(tenant=tenant)  # before the lock: a tenant at it costs less
+    # Before the lock too: a tenant at its limit costs less.
+    limits.active_batches_check(tenant_id=tenant_id)
     now = timezone.now()
     with transaction.atomic():
-        limits.tenant_lock(tenant_id=tenant.pk)
-        limits.active_batches_check(tenant=tenant)
+        limits.tenant_lock(tenant_id=tenant_id)
+        limits.active_batches_check(tenant_id=tenant_id)
         batch = Batch.objects.create(
-            id=new_id("batch_"), tenant=tenant, api_key_id=api_key_id, endpoint=endpoint,
+            id=new_id("batch_"), tenant_id=tenant_id, api_key_id=api_key_id, endpoint=endpoint,
             completion_window=completion_window, input_file=source, input_file_ref=source.id,
             metadata=metadata, total=source.lines, created_at=now,
             expires_at=now + WINDOWS[completion_window])
@@ -83,19 +84,19 @@ def batch_run_enqueue(*, batch_id: str) -> None:
     current_app.send_task(BATCH_RUN, args=[batch_id])
 
 
-def batch_get(*, tenant, batch_id: str) -> Batch:
-    found = Batch.objects.for_tenant(tenant).filter(pk=batch_id).first()
+def batch_get(*, tenant_id: int, batch_id: str) -> Batch:
+    found = Batch.objects.for_tenant_id(tenant_id).filter(pk=batch_id).first()
     if found is None:
         raise NotFound(f"No such batch: {batch_id}", param="batch_id")
     return found
 
 
-def batch_cancel(*, tenant, batch_id: str) -> Batch:
+def batch_cancel(*, tenant_id: int, batch_id: str) -> Batch:
     """Stops a batch: no new line starts, lines in flight finish, then it is cancelled with
     what it made in its output file."""
     with transaction.atomic():
-        batch = Batch.objects.for_tenant(tenant).select_for_update().filter(pk=batch_id) \
-            .first()
+        batch = Batch.objects.for_tenant_id(tenant_id).select_for_update().filter(
+            pk=batch_id).first()
         if batch is None:
             raise NotFound(f"No such batch: {batch_id}", param="batch_id")
         if batch.status == Batch.Status.CANCELLING:

@@ -52,7 +52,7 @@ def default_expiry() -> datetime:
     return timezone.now() + timedelta(seconds=settings.ATRIUM_FILE_DEFAULT_EXPIRY_S)
 
 
-def file_create(*, tenant, filename: str, purpose: str, data: bytes | DjangoFile,
+def file_create(*, tenant_id: int, filename: str, purpose: str, data: bytes | DjangoFile,
                 expires_after_s: int | None = None) -> File:
     """Stores an upload; a batch input file is checked line by line first (400 naming the
     first bad line; nothing is stored). ``data``: the bytes, or a file (an upload Django
@@ -69,7 +69,7 @@ def file_create(*, tenant, filename: str, purpose: str, data: bytes | DjangoFile
     if content.size > settings.ATRIUM_FILE_MAX_BYTES:
         raise InvalidRequest(f"a file is at most {settings.ATRIUM_FILE_MAX_BYTES} bytes",
                              param="file", code="invalid_value")
-    limits.files_room_check(tenant=tenant, adding_bytes=content.size)  # before any reading
+    limits.files_room_check(tenant_id=tenant_id, adding_bytes=content.size)  # before any reading
     try:
         summary = _checked(content)
     except batch_lines.BadLine as exc:
@@ -78,7 +78,7 @@ def file_create(*, tenant, filename: str, purpose: str, data: bytes | DjangoFile
     created = timezone.now()
     expires_at = created + timedelta(seconds=expires_after_s) if expires_after_s else \
         default_expiry()
-    return file_store(tenant=tenant, filename=filename, purpose=purpose, content=content,
+    return file_store(tenant_id=tenant_id, filename=filename, purpose=purpose, content=content,
                       lines=summary.lines, endpoints=summary.endpoints, created_at=created,
                       expires_at=expires_at, within_limits=True)
 
@@ -122,7 +122,7 @@ def _checker_reset() -> None:
         _checker = None
 
 
-def file_store(*, tenant, filename: str, purpose: str, content: DjangoFile, lines: int,
+def file_store(*, tenant_id: int, filename: str, purpose: str, content: DjangoFile, lines: int,
                expires_at: datetime, endpoints: dict[str, int] | None = None,
                created_at: datetime | None = None, within_limits: bool = False) -> File:
     """Puts the bytes in storage and records the file. ``within_limits``: refused unless
@@ -131,14 +131,14 @@ def file_store(*, tenant, filename: str, purpose: str, content: DjangoFile, line
     file_id = new_id("file-")
     size = content.size
     content.seek(0)
-    name = files_storage().save(f"{tenant.pk}/{file_id}.jsonl", content)
+    name = files_storage().save(f"{tenant_id}/{file_id}.jsonl", content)
     try:
         with transaction.atomic():
             if within_limits:
-                limits.tenant_lock(tenant_id=tenant.pk)
-                limits.files_room_check(tenant=tenant, adding_bytes=size)
+                limits.tenant_lock(tenant_id=tenant_id)
+                limits.files_room_check(tenant_id=tenant_id, adding_bytes=size)
             return File.objects.create(
-                id=file_id, tenant=tenant, purpose=purpose,
+                id=file_id, tenant_id=tenant_id, purpose=purpose,
                 filename=(filename or "upload.jsonl")[:255], bytes=size, lines=lines,
                 endpoints=endpoints, storage_name=name,
                 created_at=created_at or timezone.now(), expires_at=expires_at)
@@ -147,18 +147,18 @@ def file_store(*, tenant, filename: str, purpose: str, content: DjangoFile, line
         raise
 
 
-def file_get(*, tenant, file_id: str) -> File:
-    found = File.objects.for_tenant(tenant).live().filter(pk=file_id).first()
+def file_get(*, tenant_id: int, file_id: str) -> File:
+    found = File.objects.for_tenant_id(tenant_id).live().filter(pk=file_id).first()
     if found is None:
         raise NotFound(f"No such File object: {file_id}", param="file_id")
     return found
 
 
-def file_delete(*, tenant, file_id: str) -> None:
+def file_delete(*, tenant_id: int, file_id: str) -> None:
     """Removes a file and its bytes; refused (409) while a batch made of it has not yet
     read it (a batch reads its input when a runner first takes it up)."""
-    found = file_get(tenant=tenant, file_id=file_id)
-    waiting = Batch.objects.for_tenant(tenant).filter(
+    found = file_get(tenant_id=tenant_id, file_id=file_id)
+    waiting = Batch.objects.for_tenant_id(tenant_id).filter(
         input_file=found, status=Batch.Status.VALIDATING).values_list("pk", flat=True).first()
     if waiting is not None:
         raise Conflict(f"File {file_id} is the input of batch {waiting}, which has not read "

@@ -66,7 +66,7 @@ def batch_claim(*, batch_id: str) -> Batch | None:
             _lease_free(now)).update(runner_lease_until=now + _lease())
     if not claimed:
         return None
-    return Batch.objects.select_related("tenant").get(pk=batch_id)
+    return Batch.objects.get(pk=batch_id)
 
 
 class _Unreadable(Exception):
@@ -97,7 +97,7 @@ def batch_expand(*, batch_id: str) -> Batch:
             Batch.objects.filter(pk=batch_id).update(total=total)
     Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
         status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now())
-    return Batch.objects.select_related("tenant").get(pk=batch_id)
+    return Batch.objects.get(pk=batch_id)
 
 
 def _lines_make(batch: Batch, *, skip: int) -> int:
@@ -150,7 +150,7 @@ def batch_fail(*, batch_id: str, errors: list[dict[str, Any]]) -> Batch:
         Batch.objects.filter(pk=batch_id, status__in=limits.ACTIVE).update(
             status=Batch.Status.FAILED, failed_at=timezone.now(), total=0,
             errors={"object": "list", "data": errors}, runner_lease_until=None)
-    return Batch.objects.select_related("tenant").get(pk=batch_id)
+    return Batch.objects.get(pk=batch_id)
 
 
 def batch_heartbeat(*, batch_id: str) -> str:
@@ -240,7 +240,7 @@ def batch_finalize(*, batch_id: str) -> Batch:
     """Writes the output and error files and ends the batch: completed, or cancelled or
     expired when it was stopped (what ran is in its output either way)."""
     now = timezone.now()
-    batch = Batch.objects.select_related("tenant").get(pk=batch_id)
+    batch = Batch.objects.get(pk=batch_id)
     if batch.status not in limits.ACTIVE:
         return batch
     final = {Batch.Status.CANCELLING: Batch.Status.CANCELLED}.get(batch.status)
@@ -259,7 +259,7 @@ def batch_finalize(*, batch_id: str) -> Batch:
                                              ("error_file", "error", errors, counts[1])):
             if lines:
                 fields[field] = file_store(
-                    tenant=batch.tenant, filename=f"{batch.id}_{suffix}.jsonl",
+                    tenant_id=batch.tenant_id, filename=f"{batch.id}_{suffix}.jsonl",
                     purpose=OUTPUT_PURPOSE, content=DjangoFile(handle), lines=lines,
                     expires_at=default_expiry())
     Batch.objects.filter(pk=batch_id).update(**fields)

@@ -12,9 +12,9 @@ from rest_framework.response import Response
 from billing import selectors, services
 from billing.apis.common import MONEY
 from billing.models import Budget
-from tenants import access
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
+from tenants.facade import allowed, authorize
 
 AMOUNT = {"max_digits": 24, "decimal_places": 6, "allow_null": True}
 
@@ -53,7 +53,7 @@ def _budget(view: selectors.BudgetView) -> dict[str, Any]:
 
 def budget_states(tenant_access) -> list[dict[str, Any]] | None:
     """The tenant's budgets where they stand, for a caller who may read them (else None)."""
-    if not access.allowed(tenant_access, "budget.read"):
+    if not allowed(tenant_access, "budget.read"):
         return None
     views = selectors.budget_views(selectors.budget_list(tenant=tenant_access.tenant))
     return BudgetSerializer([_budget(v) for v in views], many=True).data
@@ -71,7 +71,7 @@ class BudgetListApi(TenantApi):
                    responses=OutputSerializer)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "budget.read")
+        authorize(tenant_access, "budget.read")
         return Response(listing(budget_states(tenant_access)))
 
 
@@ -96,7 +96,7 @@ class BudgetCreateApi(TenantApi):
                    "or month)", request=InputSerializer, responses={201: BudgetSerializer})
     def post(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "budget.manage")
+        authorize(tenant_access, "budget.manage")
         data = validated(BudgetCreateApi.InputSerializer, request.data)
         budget = services.budget_create(tenant=tenant_access.tenant, actor=tenant_access.actor,
                                         **data)
@@ -110,7 +110,7 @@ class BudgetDetailApi(TenantApi):
     def get(self, request, slug: str, budget_id: int) -> Response:
         tenant_access = self.access(slug)
         found = _one(tenant_access.tenant, budget_id)  # another tenant's id: 404 first
-        access.authorize(tenant_access, "budget.read")
+        authorize(tenant_access, "budget.read")
         return Response(BudgetSerializer(found).data)
 
     @extend_schema(tags=["billing"], summary="Change a budget's limits (null removes one)",
@@ -118,7 +118,7 @@ class BudgetDetailApi(TenantApi):
     def patch(self, request, slug: str, budget_id: int) -> Response:
         tenant_access = self.access(slug)
         selectors.budget_get(tenant=tenant_access.tenant, budget_id=budget_id)
-        access.authorize(tenant_access, "budget.manage")
+        authorize(tenant_access, "budget.manage")
         data = validated(_Limits, request.data)
         services.budget_update(tenant=tenant_access.tenant, actor=tenant_access.actor,
                                budget_id=budget_id, **data)
@@ -128,7 +128,7 @@ class BudgetDetailApi(TenantApi):
     def delete(self, request, slug: str, budget_id: int) -> Response:
         tenant_access = self.access(slug)
         selectors.budget_get(tenant=tenant_access.tenant, budget_id=budget_id)
-        access.authorize(tenant_access, "budget.manage")
+        authorize(tenant_access, "budget.manage")
         services.budget_delete(tenant=tenant_access.tenant, actor=tenant_access.actor,
                                budget_id=budget_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -155,7 +155,7 @@ class WebhookListApi(TenantApi):
                    responses=OutputSerializer)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "webhook.read")
+        authorize(tenant_access, "webhook.read")
         endpoints = selectors.webhook_endpoint_list(tenant=tenant_access.tenant)
         return Response(listing(WebhookSerializer(endpoints, many=True).data))
 
@@ -170,7 +170,7 @@ class WebhookCreateApi(TenantApi):
                    responses={201: WebhookCreatedSerializer})
     def post(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "webhook.manage")
+        authorize(tenant_access, "webhook.manage")
         data = validated(WebhookCreateApi.InputSerializer, request.data)
         endpoint, secret = services.webhook_endpoint_create(
             tenant=tenant_access.tenant, actor=tenant_access.actor, url=data["url"],
@@ -184,7 +184,7 @@ class WebhookDetailApi(TenantApi):
     def delete(self, request, slug: str, endpoint_id: int) -> Response:
         tenant_access = self.access(slug)
         selectors.webhook_endpoint_get(tenant=tenant_access.tenant, endpoint_id=endpoint_id)
-        access.authorize(tenant_access, "webhook.manage")
+        authorize(tenant_access, "webhook.manage")
         services.webhook_endpoint_delete(tenant=tenant_access.tenant,
                                          actor=tenant_access.actor, endpoint_id=endpoint_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -214,7 +214,7 @@ class WebhookDeliveryListApi(TenantApi):
     def get(self, request, slug: str, endpoint_id: int) -> Response:
         tenant_access = self.access(slug)
         selectors.webhook_endpoint_get(tenant=tenant_access.tenant, endpoint_id=endpoint_id)
-        access.authorize(tenant_access, "webhook.read")
+        authorize(tenant_access, "webhook.read")
         deliveries = selectors.webhook_delivery_list(tenant=tenant_access.tenant,
                                                      endpoint_id=endpoint_id)[:101]
         rows = list(deliveries)

@@ -12,9 +12,9 @@ from billing.exports import CONTENT_TYPES, export_storage
 from billing.models import Export
 from core.downloads import FileDownload
 from core.errors import ApiError, Conflict
-from tenants import access
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
+from tenants.facade import authorize
 
 
 @extend_schema_serializer(component_name="BillingExport")
@@ -52,7 +52,7 @@ class ExportListApi(TenantApi):
                    responses=OutputSerializer)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "billing.read")
+        authorize(tenant_access, "billing.read")
         exports = selectors.export_list(tenant=tenant_access.tenant).select_related("tenant")
         return Response(listing(ExportSerializer(exports[:100], many=True).data))
 
@@ -70,7 +70,7 @@ class ExportCreateApi(TenantApi):
                    responses={202: ExportSerializer})
     def post(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "billing.export")
+        authorize(tenant_access, "billing.export")
         data = validated(ExportCreateApi.InputSerializer, request.data)
         export = services.export_create(tenant=tenant_access.tenant, actor=tenant_access.actor,
                                         **data)
@@ -83,7 +83,7 @@ class ExportDetailApi(TenantApi):
     def get(self, request, slug: str, export_id: int) -> Response:
         tenant_access = self.access(slug)
         export = selectors.export_get(tenant=tenant_access.tenant, export_id=export_id)
-        access.authorize(tenant_access, "billing.read")
+        authorize(tenant_access, "billing.read")
         return Response(ExportSerializer(export).data)
 
 
@@ -94,7 +94,7 @@ class ExportContentApi(TenantApi):
     def get(self, request, slug: str, export_id: int):
         tenant_access = self.access(slug)
         export = selectors.export_get(tenant=tenant_access.tenant, export_id=export_id)
-        access.authorize(tenant_access, "billing.read")
+        authorize(tenant_access, "billing.read")
         if export.status == Export.Status.EXPIRED:
             raise ApiError(f"export {export.pk} has expired; ask for a new one", status=410,
                            code="export_expired")

@@ -11,9 +11,9 @@ from rest_framework.response import Response
 from billing import selectors
 from billing.apis.common import query_dict
 from billing.models import Invoice
-from tenants import access
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
+from tenants.facade import authorize
 
 
 @extend_schema_serializer(component_name="InvoiceLine")
@@ -66,7 +66,7 @@ class InvoiceListApi(TenantApi):
                    responses=OutputSerializer, parameters=[OpenApiParameter("limit", int)])
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "billing.read")
+        authorize(tenant_access, "billing.read")
         query = validated(InvoiceListApi.FilterSerializer, query_dict(request))
         page = list(selectors.invoice_list(tenant=tenant_access.tenant)[:query["limit"] + 1])
         data = [_invoice(selectors.invoice_view(invoice=i)) for i in page[:query["limit"]]]
@@ -80,5 +80,5 @@ class InvoiceDetailApi(TenantApi):
     def get(self, request, slug: str, invoice_id: int) -> Response:
         tenant_access = self.access(slug)
         invoice = selectors.invoice_get(tenant=tenant_access.tenant, invoice_id=invoice_id)
-        access.authorize(tenant_access, "billing.read")
+        authorize(tenant_access, "billing.read")
         return Response(InvoiceSerializer(_invoice(selectors.invoice_view(invoice=invoice))).data)

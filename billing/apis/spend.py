@@ -10,9 +10,8 @@ from rest_framework.response import Response
 
 from billing import selectors, services
 from billing.apis.common import MONEY
-from tenants import access
 from tenants.apis.base import Api, StrictSerializer, TenantApi, validated
-from tenants.selectors import plan_get
+from tenants.facade import authorize, plan_ref_get
 
 
 @extend_schema_serializer(component_name="Spend")
@@ -41,7 +40,7 @@ class SpendDetailApi(TenantApi):
                    responses=SpendSerializer)
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "billing.read")
+        authorize(tenant_access, "billing.read")
         return Response(SpendSerializer(_spend(tenant_access.tenant)).data)
 
 
@@ -64,7 +63,7 @@ class SpendCapUpdateApi(TenantApi):
                    "(operators)", request=InputSerializer, responses=SpendSerializer)
     def patch(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "spend_cap.update")
+        authorize(tenant_access, "spend_cap.update")
         data = validated(SpendCapUpdateApi.InputSerializer, request.data)
         services.tenant_spend_cap_update(tenant=tenant_access.tenant, actor=tenant_access.actor,
                                          monthly_limit=data.get("monthly_limit"),
@@ -84,7 +83,7 @@ class PlanSpendCapUpdateApi(Api):
                    "none", request=InputSerializer, responses=OutputSerializer)
     def patch(self, request, plan_slug: str) -> Response:
         actor = self.staff_actor()
-        plan = plan_get(slug=plan_slug)
+        plan = plan_ref_get(slug=plan_slug)
         data = validated(PlanSpendCapUpdateApi.InputSerializer, request.data)
         cap = services.plan_spend_cap_update(plan=plan, actor=actor,
                                              monthly_limit=data["monthly_limit"])

@@ -16,9 +16,9 @@ from billing.apis.budgets import BudgetSerializer, budget_states
 from billing.apis.common import MAX_UNIX_S, amount, query_dict
 from billing.money import to_micro
 from core.errors import InvalidRequest
-from tenants import access
 from tenants.apis.base import Api, StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
+from tenants.facade import authorize
 
 _WIDTH_LIMITS = {"1h": (24, 168), "1d": (7, 31)}  # buckets per page: default, most
 
@@ -94,7 +94,7 @@ class UsageListApi(TenantApi):
                        OpenApiParameter("limit", int), OpenApiParameter("page", str)])
     def get(self, request, slug: str) -> Response:
         tenant_access = self.access(slug)
-        access.authorize(tenant_access, "usage.read")
+        authorize(tenant_access, "usage.read")
         query = validated(UsageListApi.FilterSerializer, query_dict(
             request, lists=("group_by", "models", "adapters", "api_key_ids")))
         width = query["bucket_width"]
@@ -166,7 +166,7 @@ class UsageRecordDetailApi(TenantApi):
     def get(self, request, slug: str, request_id: str) -> Response:
         tenant_access = self.access(slug)
         record = selectors.usage_record_get(tenant=tenant_access.tenant, request_id=request_id)
-        access.authorize(tenant_access, "usage.read")
+        authorize(tenant_access, "usage.read")
         return Response({
             "object": "usage.record", "request_id": record.request_id,
             "occurred_at": int(record.occurred_at.timestamp()),

@@ -84,10 +84,11 @@ def tenant_spend_cap_update(*, tenant, actor: Actor, monthly_limit: Decimal | No
 
 
 def plan_spend_cap_update(*, plan, actor: Actor, monthly_limit: Decimal | None) -> SpendCap | None:
-    """Sets the plan's default monthly cap for its tenants (None: none)."""
+    """Sets the plan's default monthly cap for its tenants (None: none). ``plan``: its id
+    and slug (tenants.facade.PlanRef, or the console's plan)."""
     monthly_limit = _cap_amount(monthly_limit)
     with transaction.atomic():
-        cap = SpendCap.objects.select_for_update().filter(plan=plan).first()
+        cap = SpendCap.objects.select_for_update().filter(plan_id=plan.id).first()
         before = _cap_snapshot(cap)
         if monthly_limit is None:
             if cap is not None:
@@ -95,12 +96,12 @@ def plan_spend_cap_update(*, plan, actor: Actor, monthly_limit: Decimal | None) 
             cap = None
         else:
             cap, _ = SpendCap.objects.update_or_create(
-                plan=plan, defaults={"monthly_limit": monthly_limit,
-                                     "updated_at": timezone.now()})
+                plan_id=plan.id, defaults={"monthly_limit": monthly_limit,
+                                           "updated_at": timezone.now()})
         audit_record(tenant=None, actor=actor, action="plan.spend_cap.update",
                      target_type="plan", target_id=plan.slug, before=before,
                      after=_cap_snapshot(cap))
-        tenant_ids = [t for t, p in tenant_plans().items() if p == plan.pk]
+        tenant_ids = [t for t, p in tenant_plans().items() if p == plan.id]
         transaction.on_commit(partial(spend_caps_publish, tenant_ids=tenant_ids))
     return cap
 

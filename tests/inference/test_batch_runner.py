@@ -69,7 +69,7 @@ def test_an_answer_the_database_refuses_is_that_lines_500_and_the_runner_goes_on
         api_server, served_model, engine_worker, monkeypatch):
     from django.db import DataError
 
-    from batches import services as batch_services
+    from batches import facade as batch_facade
 
     caller = make_caller()
     collect = responses.collect
@@ -80,7 +80,7 @@ def test_an_answer_the_database_refuses_is_that_lines_500_and_the_runner_goes_on
             result["choices"][0]["message"]["content"] += "\x00"
         return result
 
-    record = batch_services.line_record
+    record = batch_facade.line_record
 
     def postgres_like(**kwargs):  # PostgreSQL's jsonb refuses \u0000; SQLite would keep it
         if "\\u0000" in json.dumps(kwargs.get("response")):
@@ -88,7 +88,7 @@ def test_an_answer_the_database_refuses_is_that_lines_500_and_the_runner_goes_on
         return record(**kwargs)
 
     monkeypatch.setattr(responses, "collect", with_nul)
-    monkeypatch.setattr(batch_services, "line_record", postgres_like)
+    monkeypatch.setattr(batch_facade, "line_record", postgres_like)
     batch_id = make_batch(api_server, caller.key, chat_line("first", served_model),
                           chat_line("nul", served_model, user="nul"),
                           chat_line("second", served_model))

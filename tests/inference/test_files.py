@@ -278,8 +278,8 @@ def test_concurrent_uploads_never_pass_the_file_limit(transactional_db, settings
     def send() -> None:
         start.wait()
         try:
-            batch_services.file_create(tenant=tenant, filename="in.jsonl", purpose="batch",
-                                       data=jsonl(chat_line("a", "m")))
+            batch_services.file_create(tenant_id=tenant.pk, filename="in.jsonl",
+                                       purpose="batch", data=jsonl(chat_line("a", "m")))
             outcomes.append("stored")
         except ApiError as exc:
             outcomes.append(exc.code)

@@ -433,8 +433,7 @@ def test_operators_set_what_a_plans_tenants_may_keep(world):
     _assert_error(client.patch("/api/v1/plans/lean", {"max_active_batches": 0},
                                format="json"), 400)
     Tenant.objects.filter(pk=world.a.pk).update(plan=Plan.objects.get(slug="lean"))
-    tenant = Tenant.objects.get(pk=world.a.pk)
-    assert [tenant_limit(tenant=tenant, name=n) for n in
+    assert [tenant_limit(tenant_id=world.a.pk, name=n) for n in
             ("max_files", "max_file_bytes", "max_active_batches")] == [
         settings.ATRIUM_TENANT_MAX_FILES, 10**6, 1]
 

@@ -71,7 +71,7 @@ def _objects(tenant, owner) -> dict[str, int]:
                                    token_limit=10**6)
     endpoint = WebhookEndpoint.objects.create(tenant=tenant, url="https://hooks.test/",
                                               secret="whsec_")
-    upload = file_create(tenant=tenant, filename="in.jsonl", purpose="batch", data=(
+    upload = file_create(tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", data=(
         b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
         b'"body": {"model": "m", "prompt": "hi"}}\n'))
     return {"key_id": key.pk, "invoice_id": invoice.pk, "export_id": export.pk,

@@ -14,16 +14,16 @@ from webui.views.base import page, tenant_view
 
 @tenant_view("batch.read")
 def batches(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
-    tenant = tenant_access.tenant
+    tenant_id = tenant_access.tenant.pk
     return page(request, "webui/tenant/batches.html", {
-        "batches": list(batch_selectors.batch_list(tenant=tenant)[:100]),
-        "files": list(batch_selectors.file_list(tenant=tenant)[:100]),
+        "batches": list(batch_selectors.batch_list(tenant_id=tenant_id)[:100]),
+        "files": list(batch_selectors.file_list(tenant_id=tenant_id)[:100]),
     }, tenant_access=tenant_access, section="batches")
 
 
 @tenant_view("batch.read")
 def file_download(request: HttpRequest, tenant_access: TenantAccess,
                   file_id: str) -> HttpResponse:
-    found = batch_services.file_get(tenant=tenant_access.tenant, file_id=file_id)
+    found = batch_services.file_get(tenant_id=tenant_access.tenant.pk, file_id=file_id)
     return FileDownload(batch_services.file_content(found), as_attachment=True,
                         filename=f"{found.id}.jsonl", content_type="application/jsonl")
