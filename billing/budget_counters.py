@@ -39,7 +39,6 @@ SCOPES = {"tenant": "t", "key": "k", "user": "u"}
 WINDOWS = ("day", "month")
 # A window's counters outlive it by this much, for whoever reads them late.
 COUNTER_GRACE_MS = 7 * 86_400_000
-THRESHOLDS = (50, 80, 100)
 EACH_USER = "*"
 
 

@@ -282,7 +282,6 @@ class Grammars:
         self.hits = 0
         self.misses = 0
         self.compiles = 0
-        self.compile_seconds_total = 0.0
         self.last_compile_seconds = 0.0
 
     def submit(self, spec: dict[str, Any], *, tenant: str = ""
@@ -358,7 +357,6 @@ class Grammars:
         elapsed = time.perf_counter() - started
         with self._lock:
             self.compiles += 1
-            self.compile_seconds_total += elapsed
             self.last_compile_seconds = elapsed
         return compiled
 

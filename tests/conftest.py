@@ -46,11 +46,18 @@ LIVE_FIXTURES = frozenset({
     "sentinel_set", "start_worker", "cluster", "redis_server",
 })
 LIVE_FOLDERS = ("e2e", "fleet", "isolation")
+# Under pytest-xdist (`make test JOBS=2`), the tests that start whole `atrium up`s and fleets run
+# on one worker, one after another: they share their `atrium up`s (module and session
+# fixtures), and two fleets at once would starve each other on a small machine.
+PROCESS_GROUP = pytest.mark.xdist_group("processes")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     root = Path(__file__).parent
     for item in items:
         folder = item.path.relative_to(root).parts[0] if item.path.is_relative_to(root) else ""
+        if folder in LIVE_FOLDERS:
+            item.add_marker(PROCESS_GROUP)
         if folder in LIVE_FOLDERS or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.live)

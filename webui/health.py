@@ -82,10 +82,6 @@ class ModelHealth:
     billed_per_million: Decimal | None = None  # at this traffic's prompt/output mix
     cost_per_million: Decimal | None = None  # engine time at ATRIUM_ENGINE_HOUR_COST
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.prompt_tokens_per_s + self.generation_tokens_per_s
-
 
 @dataclass(frozen=True, slots=True)
 class ServiceHealth:

@@ -25,7 +25,6 @@ from engine.redis_connect import RedisTarget
 from inference import tasknames as inference_tasks
 from requestlogs.tasknames import REQUEST_LOGS_EXPIRE
 
-BASE_DIR = Path(__file__).resolve().parent
 ENVIRONMENT = os.environ.get("ATRIUM_ENV", "development")
 PRODUCTION = ENVIRONMENT == "production"
 ATRIUM_HOME = Path(os.environ.get("ATRIUM_HOME", Path.home() / ".atrium")).expanduser()

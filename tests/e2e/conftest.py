@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 
-from tests.ports import free_port
+from tests.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the environment `make install` made: atrium, python
@@ -36,8 +35,10 @@ BIN = Path(sys.executable).parent  # the environment `make install` made: atrium
 # build itself is proven by the first start of a session with an empty cache).
 MODEL_CACHE = ROOT / "var" / "e2e-models"
 START_TIMEOUT_S = 300
-# Redis database the `services` setup uses on the machine's Redis (the suite's own is 15).
-SERVICES_REDIS_DB = 12
+# What the shared `atrium up`s are told beyond a user's defaults: a batch runner holds its
+# batch 3 s between heartbeats, so one killed is resumed soon (tests/e2e/test_batches.py),
+# and runs two lines at a time, so a kill lands mid-batch. No test changes a shared one.
+SHARED_ENV = {"ATRIUM_BATCH_LEASE_S": "3", "ATRIUM_BATCH_CONCURRENCY": "2"}
 PROJECT_ENV = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "TRITON_INTERPRET")
 
 
@@ -45,24 +46,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports."""
-    for _ in range(100):
-        base = free_port()
-        if base + count <= 65536 and all(_port_free(base + i) for i in range(1, count)):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:
@@ -106,6 +89,8 @@ class Atrium:
         return "".join(self.lines)
 
     def start(self, *args: str) -> None:
+        if self.proc is not None:
+            self._wait_gone()
         began = time.monotonic()
         self.lines = []
         self.proc = subprocess.Popen(
@@ -124,6 +109,18 @@ class Atrium:
         found = re.search(r"API key for tenant 'demo' \(shown once\): (atr_\w+)", self.output)
         if found:
             self.key = found.group(1)
+
+    def _wait_gone(self, timeout: float = 60) -> None:
+        """Until no process of the previous run is left (an engine drains, a worker's pool
+        ends after it): the next run binds the same ports."""
+        sid = self.proc.pid  # `atrium up` leads its own session
+        self.proc.poll()  # reaped, if it has ended: a zombie is no one's port
+        deadline = time.monotonic() + timeout
+        while left := _session_processes(sid):
+            if time.monotonic() > deadline:
+                os.killpg(sid, signal.SIGKILL)
+                assert time.monotonic() < deadline + 10, f"processes {left} outlived SIGKILL"
+            time.sleep(0.2)
 
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
@@ -168,8 +165,8 @@ def _services_env(home: Path) -> tuple[dict[str, str], callable]:
     admin_url = urlunsplit(server._replace(path="/postgres"))
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    redis_parts = urlsplit(redis_url)
-    e2e_redis = urlunsplit(redis_parts._replace(path=f"/{SERVICES_REDIS_DB}", query=""))
+    # A database of the machine's Redis no other test of the session uses (atrium.testing).
+    e2e_redis = os.environ["ATRIUM_TEST_E2E_REDIS_URL"]
     redis.Redis.from_url(e2e_redis).flushdb()
 
     def drop() -> None:
@@ -207,6 +204,7 @@ def atrium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         env, cleanup = _services_env(home)
     else:
         env = user_env(home)
+    env.update(SHARED_ENV)
     _seed_model_cache(home)
     up = Atrium(setup=request.param, home=home, env=env, port=free_port())
     try:
@@ -218,6 +216,18 @@ def atrium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         up.stop()
         if cleanup is not None:
             cleanup()
+
+
+def _session_processes(sid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    found.append(int(entry.name))
+            except (OSError, ProcessLookupError):
+                continue
+    return found
 
 
 def processes_of(root_pid: int, *words: bytes) -> list[int]:

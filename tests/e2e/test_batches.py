@@ -36,11 +36,8 @@ def _wait(predicate, timeout: float, what: str) -> None:
 
 
 def test_a_batch_survives_its_worker_killed_and_bills_each_line_once(atrium):
-    atrium.stop()
-    # Batch runners hold a batch for 3 s between heartbeats, so a dead one's is resumed
-    # soon; two lines at a time, so the kill lands mid-batch.
-    atrium.env.update(ATRIUM_BATCH_LEASE_S="3", ATRIUM_BATCH_CONCURRENCY="2")
-    atrium.start()
+    # The shared `atrium up` runs two lines at a time and resumes a dead runner's batch
+    # within 3 s (tests/e2e/conftest.py: SHARED_ENV).
     client = atrium.openai()
     source = client.files.create(file=("questions.jsonl", _batch_file(atrium.model)),
                                  purpose="batch")

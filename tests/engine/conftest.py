@@ -1,4 +1,5 @@
-"""Engine test fixtures: a tiny checkpoint built once per session, Redis db 14, a worker thread."""
+"""Engine test fixtures: a tiny checkpoint built once per session, a Redis database of the
+engine tests' own (platform/atrium/testing.py), a worker thread."""
 
 from __future__ import annotations
 
@@ -8,23 +9,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 import redis
 from tokenizers import Tokenizer
 
 from engine import protocol
-
-ENGINE_TEST_DB = 14  # the platform's tests own db 15; nobody's data lives in 14
-
-
-def _with_db(url: str, db: int) -> str:
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        query = dict(parse_qsl(parts.query)) | {"db": str(db)}
-        return f"unix://{parts.path}?{urlencode(query)}"
-    return urlunsplit(parts._replace(path=f"/{db}"))
 
 
 def _reachable(url: str) -> bool:
@@ -37,9 +27,9 @@ def _reachable(url: str) -> bool:
 
 @pytest.fixture(scope="session")
 def engine_redis_url() -> str:
-    """Database 14 of the suite's Redis (REDIS_URL: CI's server, else the embedded one)."""
-    url = os.environ.get("ATRIUM_ENGINE_TEST_REDIS_URL") or _with_db(os.environ["REDIS_URL"],
-                                                                      ENGINE_TEST_DB)
+    """A database of the suite's Redis (CI's server, else the embedded one) that only the
+    engine tests of this session (or xdist worker) flush."""
+    url = os.environ["ATRIUM_TEST_ENGINE_REDIS_URL"]
     if not _reachable(url):
         pytest.fail(f"no Redis at {url}")
     return url

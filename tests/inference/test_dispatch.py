@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.asyncio as aioredis
-from django.conf import settings
-
 from engine import protocol
 from inference.dispatch import Dispatch
 from inference.event_hub import EventHub
@@ -18,17 +15,6 @@ from tests.engine.engine_testing import make_request
 MODEL = "m"
 # Where a request for MODEL is placed: its one live engine's stream (inference/routing.py).
 STREAM = protocol.engine_stream(MODEL, "e1")
-
-
-def _run(scenario):
-    async def wrapped():
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
-        try:
-            return await scenario(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(wrapped())
 
 
 async def _an_engine_is_alive(client) -> None:
@@ -62,7 +48,7 @@ async def _engine_writes(client, dispatch: Dispatch, *events: tuple[str, dict],
         await client.xadd(request.notify, {request.request_id: 1})
 
 
-def test_a_request_cancelled_before_any_engine_read_it_is_not_waited_for(redis_client):
+def test_a_request_cancelled_before_any_engine_read_it_is_not_waited_for(run, redis_client):
     async def scenario(client):
         dispatch = await _submitted(client)
         await dispatch.cancel()
@@ -70,14 +56,14 @@ def test_a_request_cancelled_before_any_engine_read_it_is_not_waited_for(redis_c
         await dispatch.wait_final(5.0)
         return dispatch, time.monotonic() - started
 
-    dispatch, waited = _run(scenario)
+    dispatch, waited = run(scenario)
     assert waited < 0.5
     assert dispatch.counted_usage() == {"prompt_tokens": 0, "cached_tokens": 0,
                                         "completion_tokens": 0}
     assert redis_client.xlen(STREAM) == 0
 
 
-def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(redis_client):
+def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(run, redis_client):
     usage = {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 3}
 
     async def scenario(client):
@@ -101,13 +87,13 @@ def test_after_a_cancel_the_engines_final_usage_is_read_not_the_relayed_part(red
         await asyncio.gather(engine_sees_the_cancel(), dispatch.wait_final(5.0))
         return dispatch
 
-    dispatch = _run(scenario)
+    dispatch = run(scenario)
     assert dispatch.usage == usage and dispatch.counted_usage() == usage
     assert dispatch.owner == "e1" and dispatch.completion_tokens == 3
     assert not redis_client.exists(protocol.events_stream(MODEL, "chatcmpl-abc"))
 
 
-def test_without_a_final_event_the_count_is_what_recovery_would_report(redis_client):
+def test_without_a_final_event_the_count_is_what_recovery_would_report(run):
     async def scenario(client):
         dispatch = await _submitted(client)
         await client.xreadgroup(protocol.ENGINE_GROUP, "e1",
@@ -119,7 +105,7 @@ def test_without_a_final_event_the_count_is_what_recovery_would_report(redis_cli
         await dispatch.wait_final(0.3)  # the engine died: nothing more comes
         return dispatch
 
-    dispatch = _run(scenario)
+    dispatch = run(scenario)
     assert dispatch.usage is None
     # engine/recovery.py: the whole prompt once a token was made, every token in the deltas.
     assert dispatch.counted_usage() == {"prompt_tokens": 3, "cached_tokens": 0,

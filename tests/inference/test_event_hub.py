@@ -8,24 +8,11 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-from django.conf import settings
 
 from engine import protocol
 from inference import event_hub
 from inference.errors import ServiceUnavailable
 from inference.event_hub import EventHub
-
-
-def _run(scenario):
-    async def wrapped():
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
-        try:
-            return await scenario(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(wrapped())
-
 
 MODEL = "m"
 
@@ -49,7 +36,7 @@ async def _read_all(subscription, count: int) -> list[int]:
     return seqs
 
 
-def test_many_requests_are_each_handed_their_own_events_in_order(redis_client):
+def test_many_requests_are_each_handed_their_own_events_in_order(run):
     async def scenario(client):
         hub = EventHub(client)
         subscriptions = {f"r{i}": hub.subscribe() for i in range(50)}
@@ -60,7 +47,7 @@ def test_many_requests_are_each_handed_their_own_events_in_order(redis_client):
                 await _write(client, request_id, seq, notify=notify)
         return {rid: await _read_all(s, 5) for rid, s in subscriptions.items()}
 
-    assert _run(scenario) == {f"r{i}": [0, 1, 2, 3, 4] for i in range(50)}
+    assert run(scenario) == {f"r{i}": [0, 1, 2, 3, 4] for i in range(50)}
 
 
 def _counting_reads(client) -> list[int]:
@@ -76,7 +63,7 @@ def _counting_reads(client) -> list[int]:
     return sizes
 
 
-def test_a_notice_has_its_stream_read_at_once_and_alone(redis_client, monkeypatch):
+def test_a_notice_has_its_stream_read_at_once_and_alone(run, monkeypatch):
     # No sweep in this test: only the notice can get the stream read in time.
     monkeypatch.setattr(event_hub, "SWEEP_S", 60.0)
 
@@ -93,13 +80,13 @@ def test_a_notice_has_its_stream_read_at_once_and_alone(redis_client, monkeypatc
         entries = await late.read(10.0)
         return [protocol.Event.decode(fields).seq for _, fields in entries], sizes
 
-    seqs, sizes = _run(scenario)
+    seqs, sizes = run(scenario)
     assert seqs == [0]
     # The stream with news and the notify stream; never the 200 without news.
     assert sizes and max(sizes) <= 2, sizes
 
 
-def test_events_written_without_a_notice_are_read_by_the_sweep(redis_client, monkeypatch):
+def test_events_written_without_a_notice_are_read_by_the_sweep(run, monkeypatch):
     monkeypatch.setattr(event_hub, "SWEEP_S", 0.3)
 
     async def scenario(client):
@@ -110,10 +97,10 @@ def test_events_written_without_a_notice_are_read_by_the_sweep(redis_client, mon
         await _write(client, "quiet", 0, 1)  # no notice
         return await _read_all(subscription, 2)
 
-    assert _run(scenario) == [0, 1]
+    assert run(scenario) == [0, 1]
 
 
-def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(redis_client, monkeypatch):
+def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(run, monkeypatch):
     monkeypatch.setattr(event_hub, "BUFFER_ENTRIES", 8)
     monkeypatch.setattr(event_hub, "READ_COUNT", 4)
 
@@ -126,12 +113,12 @@ def test_a_slow_reader_is_not_read_ahead_of_past_its_buffer(redis_client, monkey
         held = len(slow.entries)
         return held, await _read_all(slow, 30)
 
-    held, seqs = _run(scenario)
+    held, seqs = run(scenario)
     assert 8 <= held < 30  # paused at its buffer: the rest waited in Redis
     assert seqs == list(range(30))
 
 
-def test_a_request_closed_frees_its_place_for_the_process_limit(redis_client, settings):
+def test_a_request_closed_frees_its_place_for_the_process_limit(run, settings):
     settings.ATRIUM_MAX_OPEN_REQUESTS = 2
 
     async def scenario(client):
@@ -146,7 +133,7 @@ def test_a_request_closed_frees_its_place_for_the_process_limit(redis_client, se
             hub.subscribe()
         return hub.open_count, b, c
 
-    count, *_ = _run(scenario)
+    count, *_ = run(scenario)
     assert count == 2
 
 
@@ -177,7 +164,7 @@ def test_redis_going_away_is_a_503_for_the_waiting_requests(tmp_path):
             server.process.kill()
 
 
-def test_each_model_is_read_on_a_lane_of_its_own(redis_client):
+def test_each_model_is_read_on_a_lane_of_its_own(run):
     """Every XREAD names the streams of one model only: its keys share one Redis Cluster
     slot (protocol.model_prefix), where a read across slots is refused."""
     from redis.crc import key_slot
@@ -200,7 +187,7 @@ def test_each_model_is_read_on_a_lane_of_its_own(redis_client):
         got = {key: await _read_all(s, 2) for key, s in subscriptions.items()}
         return got, sizes, set(notices.values())
 
-    got, sizes, notify_streams = _run(scenario)
+    got, sizes, notify_streams = run(scenario)
     assert all(v == [0, 1] for v in got.values())
     assert len(notify_streams) == 2  # one notify stream per model
     assert sizes and all(len(slots) == 1 for slots in sizes), sizes

@@ -78,7 +78,6 @@ def tenant_view(action: str | None, *, methods: tuple[str, ...] = ("GET",)):
             if action is not None:
                 rules.authorize(tenant_access, action)
             return view(request, tenant_access, **kwargs)
-        wrapper.console_action = action  # type: ignore[attr-defined]
         wrapper.console_methods = methods  # type: ignore[attr-defined]
         return wrapper
     return decorate
@@ -97,7 +96,6 @@ def staff_view(*, methods: tuple[str, ...] = ("GET",)):
             if not (request.user.is_active and request.user.is_staff):
                 raise DjangoPermissionDenied("the operator console is for platform operators")
             return view(request, *args, **kwargs)
-        wrapper.console_action = "staff"  # type: ignore[attr-defined]
         wrapper.console_methods = methods  # type: ignore[attr-defined]
         return wrapper
     return decorate
