@@ -52,12 +52,28 @@ LIVE_FOLDERS = ("e2e", "fleet", "isolation")
 PROCESS_GROUP = pytest.mark.xdist_group("processes")
 
 
+def _starts_processes(item: pytest.Item) -> bool:
+    root = Path(__file__).parent
+    return item.path.is_relative_to(root) and item.path.relative_to(root).parts[0] in LIVE_FOLDERS
+
+
+class ProcessesLast:
+    """The tests of whole `atrium up`s and fleets last, in their shuffled order: a session's
+    `atrium up` runs until the session ends, and would slow every test after it."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle and pytest-django's order
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=_starts_processes)  # stable: every other order is kept
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(ProcessesLast(), "atrium-processes-last")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    root = Path(__file__).parent
     for item in items:
-        folder = item.path.relative_to(root).parts[0] if item.path.is_relative_to(root) else ""
-        if folder in LIVE_FOLDERS:
+        if _starts_processes(item):
             item.add_marker(PROCESS_GROUP)
-        if folder in LIVE_FOLDERS or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if _starts_processes(item) or LIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.live)
