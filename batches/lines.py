@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +90,21 @@ def summarize_path(path: str, *, max_lines: int, max_line_bytes: int,
     with open(path, "rb") as source:
         return summarize(iter(lambda: source.read(chunk_bytes), b""), max_lines=max_lines,
                          max_line_bytes=max_line_bytes)
+
+
+def checker_started(parent_pid: int, nice: int) -> None:
+    """A checker process's start (the web process checks large uploads in a pool of them,
+    batches/services/files.py): niced below requests, and gone as soon as the process that
+    started it is, however that one ended (killed with -9, its pool never shut down):
+    left, it would wait for work for ever."""
+    os.nice(nice)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _raw_lines(chunks: Iterable[bytes], *, max_line_bytes: int) -> Iterator[tuple[int, bytes]]:

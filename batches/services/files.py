@@ -112,7 +112,8 @@ def _checker_pool() -> ProcessPoolExecutor:
             # Niced: on a shared host the CPU goes to requests first, then to uploads.
             _checker = ProcessPoolExecutor(max_workers=CHECKERS,
                                            mp_context=multiprocessing.get_context("spawn"),
-                                           initializer=os.nice, initargs=(CHECKER_NICE,))
+                                           initializer=batch_lines.checker_started,
+                                           initargs=(os.getpid(), CHECKER_NICE))
         return _checker
 
 

@@ -124,3 +124,48 @@ def test_a_bad_line_found_in_a_checker_process_names_its_line(tmp_path):
         with pytest.raises(batch_lines.BadLine) as refused:
             pool.submit(batch_lines.summarize_path, str(path), **LIMITS).result()
     assert refused.value.number == 2 and "used twice" in str(refused.value)
+
+
+PARENT = """
+import multiprocessing, os, time
+from concurrent.futures import ProcessPoolExecutor
+from batches import lines
+
+pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
+                           initializer=lines.checker_started, initargs=(os.getpid(), 0))
+print(*{pool.submit(os.getpid).result() for _ in range(8)}, flush=True)
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_checker_processes_end_when_the_web_process_that_started_them_is_killed():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE,
+                              text=True, cwd=root)
+    checkers = [int(pid) for pid in parent.stdout.readline().split()]
+    assert checkers and all(Path(f"/proc/{pid}").exists() for pid in checkers)
+    parent.send_signal(signal.SIGKILL)  # no shutdown of its pool, no exit handlers
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while left := [pid for pid in checkers if _running(pid)]:
+        if time.monotonic() > deadline:
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"checker processes {left} outlived their web process")
+        time.sleep(0.2)
