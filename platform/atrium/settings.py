@@ -373,7 +373,10 @@ CELERY_BEAT_SCHEDULE = {
     "usage-ingest": {"task": billing_tasks.USAGE_INGEST, "schedule": 2.0},
     "spend-reconcile": {"task": billing_tasks.SPEND_RECONCILE, "schedule": 60.0},
     "budgets-reconcile": {"task": billing_tasks.BUDGETS_RECONCILE, "schedule": 60.0},
-    "batches-resume": {"task": inference_tasks.BATCHES_RESUME, "schedule": 30.0},
+    # A dead runner's batch is free to resume once its lease has run out: looked for twice
+    # a lease (every 30 s at the default 60 s lease).
+    "batches-resume": {"task": inference_tasks.BATCHES_RESUME,
+                       "schedule": ATRIUM_BATCH_LEASE_S / 2},
     "files-expire": {"task": batch_tasks.FILES_EXPIRE, "schedule": 600.0},
     "budget-alerts": {"task": billing_tasks.BUDGET_ALERTS, "schedule": 10.0},
     "webhooks-due": {"task": billing_tasks.WEBHOOKS_DUE, "schedule": 5.0},

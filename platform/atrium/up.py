@@ -23,6 +23,7 @@ DEMO_KEY_SCOPES = ("inference", "adapters", "usage", "billing")
 # Each process's metrics endpoint, on consecutive ports from --metrics-port, loopback only.
 METRICS_OF = ("web", "engine", "worker")
 METRICS_HOST = "127.0.0.1"
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _wait_http(url: str, timeout: float) -> bool:
@@ -101,35 +102,36 @@ def _up(args: argparse.Namespace, home: Path) -> None:
 
     from core.served_models import model_paths
 
-    call_command("migrate", interactive=False, verbosity=0)
-    api_key = _demo_key(another=args.new_key)
     models = list(model_paths())
-
     exe = [sys.executable, "-m", "atrium.cli"]
-    worker_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
-        _fresh_dir(home / "metrics" / "worker"))}
     web_metrics, engine_metrics, worker_metrics = (
         ["--metrics-port", str(args.metrics_port + offset), "--metrics-host", METRICS_HOST]
         for offset in range(len(METRICS_OF)))
+    # One engine per served model (the first one's metrics as above, the others' on the
+    # ports after the worker's), started first: an engine needs no database, and loads its
+    # model while the database is migrated. Stopping, an engine finishes what it holds
+    # while the web server waits for those streams, within the 15 s each process gets below.
     children = [
-        subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port),
-                                *web_metrics]),
-        # One engine per served model (the first one's metrics as above, the others' on
-        # the ports after the worker's). Stopping, an engine finishes what it holds while
-        # the web server waits for those streams, within the 15 s each process gets below.
-        *(subprocess.Popen(exe + ["engine", "--model-name", name, "--drain-seconds", "10",
-                                  *(engine_metrics if i == 0 else _extra_metrics(args, i))])
-          for i, name in enumerate(models)),
-        # One worker per lane of background work (atrium/lanes.py): what a tenant can
-        # slow down never holds up the ledger's tasks, and on one host the jobs and
-        # batches lanes take only the CPU web and engine leave. The core lane runs the
-        # beat and serves the metrics every lane's processes write.
-        *(subprocess.Popen(exe + ["worker", "--lane", lane, *(
-            worker_metrics if lane == "core" else ["--no-beat"])], env=worker_env)
-          for lane in LANES),
-    ]
+        subprocess.Popen(exe + ["engine", "--model-name", name, "--drain-seconds", "10",
+                                *(engine_metrics if i == 0 else _extra_metrics(args, i))])
+        for i, name in enumerate(models)]
     base = f"http://{args.host}:{args.port}"
     try:
+        call_command("migrate", interactive=False, verbosity=0)
+        api_key = _demo_key(another=args.new_key)
+        worker_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
+            _fresh_dir(home / "metrics" / "worker"))}
+        children += [
+            subprocess.Popen(exe + ["web", "--host", args.host, "--port", str(args.port),
+                                    *web_metrics]),
+            # One worker per lane of background work (atrium/lanes.py): what a tenant can
+            # slow down never holds up the ledger's tasks, and on one host the jobs and
+            # batches lanes take only the CPU web and engine leave. The core lane runs the
+            # beat and serves the metrics every lane's processes write.
+            *(subprocess.Popen(exe + ["worker", "--lane", lane, *(
+                worker_metrics if lane == "core" else ["--no-beat"])], env=worker_env)
+              for lane in LANES),
+        ]
         if not _wait_http(f"{base}/livez", 60):
             raise SystemExit("atrium: the web server did not start; see the log above")
         if not _wait_http(f"{base}/readyz", 300):
@@ -137,12 +139,11 @@ def _up(args: argparse.Namespace, home: Path) -> None:
                              "engine, the database or Redis); see the log above")
         print(_banner(base, models, api_key, demo_model=demo_model,
                       metrics_port=args.metrics_port), flush=True)
-        while all(c.poll() is None for c in children):
-            time.sleep(0.5)
-        raise SystemExit("atrium: a process exited; stopped the rest")
+        _watch(children)
     except KeyboardInterrupt:
         pass
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -151,6 +152,22 @@ def _up(args: argparse.Namespace, home: Path) -> None:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def _watch(children: list[subprocess.Popen]) -> None:
+    """Until Ctrl-C or SIGTERM (returns) or a child's exit (raises SystemExit).
+
+    Ctrl-C reaches every process of the terminal's group at once, so a child may exit on it
+    before this process would have run its handler: the signals are blocked and waited for
+    instead, and a child's exit while one is pending is a stop, not a failure.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # no child is started after this
+    while all(c.poll() is None for c in children):
+        if signal.sigtimedwait(STOP_SIGNALS, 0.5) is not None:
+            return
+    if signal.sigtimedwait(STOP_SIGNALS, 0) is not None:  # pending: taken, not delivered
+        return
+    raise SystemExit("atrium: a process exited; stopped the rest")
 
 
 def _fresh_dir(path: Path) -> Path:

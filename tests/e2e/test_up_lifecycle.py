@@ -42,7 +42,7 @@ def test_the_demo_key_is_made_once_and_a_restart_says_how_to_get_another(tmp_pat
         assert re.search(rf'"msg": "Uvicorn running on http://127\.0\.0\.1:{up.port}',
                          up.output), up.output[-3000:]
         socket_path = re.search(r"embedded Redis at unix://(\S+)", up.output).group(1)
-        assert up.stop() == 0
+        assert up.stop() == 0, up.output[-3000:]
         assert not Path(socket_path).exists(), "the embedded Redis server was left running"
         print(f"first start {up.started_s:.1f}s")
 
@@ -55,7 +55,7 @@ def test_the_demo_key_is_made_once_and_a_restart_says_how_to_get_another(tmp_pat
             model=up.model, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
         assert reply.usage.completion_tokens > 0
         print(f"warm start {up.started_s:.1f}s")
-        assert up.stop() == 0
+        assert up.stop() == 0, up.output[-3000:]
 
         up.key = ""
         up.start("--new-key")
