@@ -42,10 +42,23 @@ SHARED_ENV = {"ATRIUM_BATCH_LEASE_S": "3", "ATRIUM_BATCH_CONCURRENCY": "2"}
 PROJECT_ENV = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "TRITON_INTERPRET")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "setups(*names): runs on these `atrium up` setups only, where what it "
+        "proves does not depend on the setup (the others are deselected, not skipped)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, dropped = [], []
     for item in items:
         if item.path.is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
+        only = item.get_closest_marker("setups")
+        setup = getattr(item, "callspec", None) and item.callspec.params.get("atrium")
+        (dropped if only and setup and setup not in only.args else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:

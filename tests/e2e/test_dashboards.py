@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +22,9 @@ from tests.e2e.test_metrics import _endpoints
 OBSERVABILITY = ROOT / "deploy" / "observability"
 # Panels with no data until something rare happens (an export was built).
 MAY_BE_EMPTY = {("atrium-billing", "Export build time")}
+# Metrics read the same on either setup (tests/e2e/test_metrics.py runs both); the
+# dashboards and rules are read against the one a newcomer runs.
+pytestmark = pytest.mark.setups("embedded")
 
 
 def _queries() -> Iterator[tuple[str, str, str]]:
@@ -37,8 +39,9 @@ def _queries() -> Iterator[tuple[str, str, str]]:
                 yield board["uid"], panel["title"], expr
 
 
-@pytest.fixture
-def prometheus(atrium: Atrium, tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def prometheus(atrium: Atrium, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp_path = tmp_path_factory.mktemp("prometheus")
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus is missing: install Debian's prometheus package (.ci/run does)")

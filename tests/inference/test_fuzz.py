@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 from tests.factories import key_factory, tenant_factory
 
 # Per operation and mode: a CI-sized sweep; ATRIUM_FUZZ_EXAMPLES=100 for a long one.
-EXAMPLES = int(os.environ.get("ATRIUM_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("ATRIUM_FUZZ_EXAMPLES", "8"))
 STREAMED = ("text/event-stream",)
 
 
