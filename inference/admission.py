@@ -18,12 +18,10 @@ in one Redis Cluster slot; ``t:`` the tenant's, ``k<key id>:`` a key's): ``rpm``
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
@@ -36,12 +34,8 @@ from billing.money import from_micros, to_cents
 from core.errors import QuotaExceeded, RateLimited, ServiceUnavailable
 from core.metrics import ADMISSION_REJECTIONS
 from inference.errors import TooLargeForRateLimit
-from inference.scripts import ADMIT
+from inference.scripts import ADMIT, SETTLE
 from tenants.principals import Principal  # the facade's dataclass; importable without Django
-
-_HERE = Path(__file__).parent
-SETTLE_LUA = (_HERE / "settle.lua").read_text()
-_SETTLE_SHA = hashlib.sha1(SETTLE_LUA.encode()).hexdigest()
 
 # Seconds after a request's deadline that its in-flight slot is kept if never released.
 LEASE_SLACK_S = 30
@@ -215,7 +209,7 @@ class Admission:
     reserved_tokens: int
     month: str
     state: RateLimitState
-    budget_slots: budget_counters.Slots | None = None
+    budget_slots: budget_counters.Slots  # the windows as admitted, settled the same
     budget_windows: list[BudgetWindow] = field(default_factory=list)
     end_user: str | None = None
     settled: bool = field(default=False)
@@ -426,20 +420,20 @@ async def settle(client: aioredis.Redis, admission: Admission, *, used_tokens: i
         return False
     principal = admission.principal
     tenant_keys, key_keys = _level_keys(principal, admission.month)
-    keys = [*tenant_keys[1:], *key_keys[1:], budget_counters.defs_key(principal.tenant_id),
-            budget_counters.alerts_key(principal.tenant_id)]
-    used = max(0, used_tokens)
-    refund = max(0, admission.reserved_tokens - used)
-    args = [admission.request_id, refund, principal.tenant_limits.tokens_per_minute or 0,
-            principal.key_limits.tokens_per_minute or 0, max(0, cost_micros), used,
-            admission.end_user or ""]
+    levels = list(zip(tenant_keys, key_keys, strict=True))
     slots = admission.budget_slots
-    for held in admission.budget_windows:
-        keys.append(slots.keys[held.slot])
-        user_default = slots.user_defaults[held.slot - 4] if held.slot >= 4 else ""
-        args += [slots.fields[held.slot], user_default]
+    used = max(0, used_tokens)
+    keys, args = SETTLE.build(
+        tpm_keys=levels[1], inflight_keys=levels[2], month_keys=levels[3],
+        budget_defs_key=budget_counters.defs_key(principal.tenant_id),
+        budget_alerts_key=budget_counters.alerts_key(principal.tenant_id),
+        window_keys=slots.keys, request_id=admission.request_id,
+        refund=max(0, admission.reserved_tokens - used),
+        tpm_limits=_limits(principal, "tokens_per_minute"), cost_micros=max(0, cost_micros),
+        used=used, end_user=admission.end_user or "", window_fields=slots.fields,
+        end_user_fields=slots.user_defaults)
     # NOTE: marked settled only once the script ran: a call that failed (Redis away) can
     # be made again, and the script refunds once however often it runs.
-    done = bool(await _run(client, _SETTLE_SHA, SETTLE_LUA, keys, args))
+    done = bool(await _run(client, SETTLE.sha, SETTLE.source, keys, args))
     admission.settled = True
     return done

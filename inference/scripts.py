@@ -117,3 +117,26 @@ ADMIT = Spec(
         Input("end_user", "the request's end user ('': none; named in alerts)"),
     ),
 )
+
+SETTLE = Spec(
+    "settle.lua",
+    keys=(
+        Input("tpm_keys", "each level's tokens/min bucket", LEVELS),
+        Input("inflight_keys", "each level's in-flight requests", LEVELS),
+        Input("month_keys", "each level's tokens this month", LEVELS),
+        Input("budget_defs_key", "the tenant's budget definitions (hash)"),
+        Input("budget_alerts_key", "the tenant's budget alerts to send (set)"),
+        Input("window_keys", "each budget window, as admission had them", WINDOWS),
+    ),
+    args=(
+        Input("request_id", "the request's id"),
+        Input("refund", "tokens to give back: reserved, not used"),
+        Input("tpm_limits", "each level's tokens/min (0: none)", LEVELS),
+        Input("cost_micros", "what the request cost"),
+        Input("used", "the tokens it used"),
+        Input("end_user", "the request's end user ('': none; named in alerts)"),
+        Input("window_fields", "each window's definition field ('': none)", WINDOWS),
+        Input("end_user_fields", "the each-end-user definitions (day, month) for the end "
+              "user's windows, 5 and 6", 2),
+    ),
+)

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from inference.scripts import ADMIT, Input, Spec
+from inference.scripts import ADMIT, SETTLE, Input, Spec
 
-SPECS = [ADMIT]
+SPECS = [ADMIT, SETTLE]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.file)
