@@ -21,9 +21,10 @@ up: $(STAMP)
 
 # The order is shuffled each run (pytest-randomly prints the seed it used, and
 # `PYTEST_ADDOPTS=--randomly-seed=N make test` replays it). `make test JOBS=2` runs on two
-# pytest-xdist workers (at most 3 share one Redis: platform/atrium/testing.py), about 12
-# minutes instead of 21 on a 2-core machine, where the `atrium up`s of the end-to-end
-# tests then starve for CPU and time out now and then: one process is the default.
+# pytest-xdist workers (at most 3 share one Redis: platform/atrium/testing.py), in a
+# little over half the time of one process on a 2-core machine, where the `atrium up`s of
+# the end-to-end tests then starve for CPU and time out now and then: one process is the
+# default.
 # `make test-fast` runs on FAST_JOBS workers.
 JOBS ?= 0
 FAST_JOBS ?= 2
