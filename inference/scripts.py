@@ -86,57 +86,56 @@ class Spec:
 LEVELS = 2  # the tenant's limits, then the key's
 WINDOWS = 6  # budget windows: (tenant, key, end user) x (day, month); billing/budget_counters.py
 
+# The inputs both scripts take, meaning the same in each.
+TPM_KEYS = Input("tpm_keys", "each level's tokens/min bucket", LEVELS)
+INFLIGHT_KEYS = Input("inflight_keys", "each level's in-flight requests (zset: id by lease "
+                      "end)", LEVELS)
+MONTH_KEYS = Input("month_keys", "each level's tokens this month", LEVELS)
+BUDGET_DEFS_KEY = Input("budget_defs_key", "the tenant's budget definitions (hash)")
+BUDGET_ALERTS_KEY = Input("budget_alerts_key", "the tenant's budget alerts to send (set)")
+WINDOW_KEYS = Input("window_keys", "each budget window's spend and reservations (hash)",
+                    WINDOWS)
+REQUEST_ID = Input("request_id", "the request's id")
+TPM_LIMITS = Input("tpm_limits", "each level's tokens/min (0: none)", LEVELS)
+WINDOW_FIELDS = Input("window_fields", "each window's definition field ('': none)", WINDOWS)
+END_USER_FIELDS = Input("end_user_fields", "the each-end-user definitions (day, month) for "
+                        "the end user's windows, 5 and 6", 2)
+END_USER = Input("end_user", "the request's end user ('': none; named in alerts)")
+
 ADMIT = Spec(
     "admit.lua",
     keys=(
         Input("rpm_keys", "each level's requests/min bucket (GCRA: its TAT, unix ms)", LEVELS),
-        Input("tpm_keys", "each level's tokens/min bucket", LEVELS),
-        Input("inflight_keys", "each level's in-flight requests (zset: id by lease end)",
-              LEVELS),
-        Input("month_keys", "each level's tokens this month", LEVELS),
-        Input("budget_defs_key", "the tenant's budget definitions (hash)"),
-        Input("budget_alerts_key", "the tenant's budget alerts to send (set)"),
-        Input("window_keys", "each budget window's spend and reservations (hash)", WINDOWS),
+        TPM_KEYS, INFLIGHT_KEYS, MONTH_KEYS, BUDGET_DEFS_KEY, BUDGET_ALERTS_KEY, WINDOW_KEYS,
     ),
     args=(
-        Input("request_id", "the request's id"),
+        REQUEST_ID,
         Input("tokens", "tokens to reserve: prompt + max_tokens"),
         Input("lease_ms", "how long an in-flight slot lives if it is never released"),
         Input("month_reset_ms", "unix ms when the month resets"),
         Input("rpm_limits", "each level's requests/min (0: none)", LEVELS),
-        Input("tpm_limits", "each level's tokens/min (0: none)", LEVELS),
+        TPM_LIMITS,
         Input("concurrency_limits", "each level's requests at once (0: none)", LEVELS),
         Input("month_caps", "each level's monthly tokens (0: none)", LEVELS),
         Input("probe", "1: only check (before tokenizing: refuse what no request could "
               "pass now, take nothing)"),
         Input("cost_micros", "the spend to reserve: the request's largest possible cost"),
-        Input("window_fields", "each window's definition field ('': none)", WINDOWS),
-        Input("end_user_fields", "the each-end-user definitions (day, month) for the end "
-              "user's windows, 5 and 6", 2),
+        WINDOW_FIELDS, END_USER_FIELDS,
         Input("window_resets", "each window's end (unix ms)", WINDOWS),
-        Input("end_user", "the request's end user ('': none; named in alerts)"),
+        END_USER,
     ),
 )
 
 SETTLE = Spec(
     "settle.lua",
-    keys=(
-        Input("tpm_keys", "each level's tokens/min bucket", LEVELS),
-        Input("inflight_keys", "each level's in-flight requests", LEVELS),
-        Input("month_keys", "each level's tokens this month", LEVELS),
-        Input("budget_defs_key", "the tenant's budget definitions (hash)"),
-        Input("budget_alerts_key", "the tenant's budget alerts to send (set)"),
-        Input("window_keys", "each budget window, as admission had them", WINDOWS),
-    ),
+    keys=(TPM_KEYS, INFLIGHT_KEYS, MONTH_KEYS, BUDGET_DEFS_KEY, BUDGET_ALERTS_KEY,
+          WINDOW_KEYS),
     args=(
-        Input("request_id", "the request's id"),
+        REQUEST_ID,
         Input("refund", "tokens to give back: reserved, not used"),
-        Input("tpm_limits", "each level's tokens/min (0: none)", LEVELS),
+        TPM_LIMITS,
         Input("cost_micros", "what the request cost"),
         Input("used", "the tokens it used"),
-        Input("end_user", "the request's end user ('': none; named in alerts)"),
-        Input("window_fields", "each window's definition field ('': none)", WINDOWS),
-        Input("end_user_fields", "the each-end-user definitions (day, month) for the end "
-              "user's windows, 5 and 6", 2),
+        END_USER, WINDOW_FIELDS, END_USER_FIELDS,
     ),
 )
