@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from asgiref.sync import sync_to_async
+from django.core.signals import request_finished
+from django.db import close_old_connections
 
 from inference.views import EventStream
+
+
+@pytest.fixture(autouse=True)
+def _no_database_on_close():
+    """These tests own no database, yet closing a response tells Django a request finished,
+    and Django then checks the connection of the thread that closed it: a thread an earlier
+    test may have left a connection in (asgiref reuses it). Django's own test client
+    disconnects the same handler for the same reason."""
+    request_finished.disconnect(close_old_connections)
+    yield
+    request_finished.connect(close_old_connections)
 
 
 async def _events():
