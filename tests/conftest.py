@@ -66,8 +66,24 @@ class ProcessesLast:
         items.sort(key=_starts_processes)  # stable: every other order is kept
 
 
+class GroupsHeld:
+    """Fails each process test at once where pytest-xdist's loadgroup did not group it: on
+    pytest 9.2 it silently stopped (pytest-xdist issue 1386), and two workers then each
+    started the services `atrium up` on the same Redis database, flushing what the other's
+    engine read from."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if (os.environ.get("PYTEST_XDIST_WORKER") and item.config.getvalue("loadgroup")
+                and _starts_processes(item) and not item.nodeid.endswith("@processes")):
+            pytest.fail("pytest-xdist did not put this test in the 'processes' group: this "
+                        "pytest and pytest-xdist do not honour --dist loadgroup; install the "
+                        "versions pyproject.toml pins", pytrace=False)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(ProcessesLast(), "atrium-processes-last")
+    config.pluginmanager.register(GroupsHeld(), "atrium-groups-held")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

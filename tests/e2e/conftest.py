@@ -61,6 +61,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test of a shared `atrium up` shows what that `atrium up` printed last."""
+    report = yield
+    up = getattr(item, "funcargs", {}).get("atrium")
+    if report.failed and isinstance(up, Atrium):
+        report.sections.append((f"atrium up ({up.setup}): its last output", up.output[-8000:]))
+    return report
+
+
 def user_env(home: Path, **extra: str) -> dict[str, str]:
     """A user's shell: none of the test session's own settings, the venv first on PATH."""
     env = {k: v for k, v in os.environ.items()
@@ -229,6 +239,25 @@ def atrium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         up.stop()
         if cleanup is not None:
             cleanup()
+
+
+@pytest.fixture(autouse=True)
+def _shared_atrium_alive(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A shared `atrium up` that has exited fails the test that finds it so, with what it
+    printed, instead of leaving every later test of its setup a bare 'connection refused'."""
+    if "atrium" not in request.fixturenames:
+        yield
+        return
+    up: Atrium = request.getfixturevalue("atrium")
+
+    def check(when: str) -> None:
+        code = up.proc.poll() if up.proc is not None else None
+        assert code is None, (f"the shared `atrium up` ({up.setup}) had exited ({code}) "
+                              f"{when} this test:\n{up.output[-6000:]}")
+
+    check("before")
+    yield
+    check("after")
 
 
 def _session_processes(sid: int) -> list[int]:
