@@ -20,13 +20,12 @@ up: $(STAMP)
 	$(BIN)/atrium up $(if $(PORT),--port $(PORT))
 
 # The order is shuffled each run (pytest-randomly prints the seed it used, and
-# `PYTEST_ADDOPTS=--randomly-seed=N make test` replays it). `make test JOBS=2` runs on two
-# pytest-xdist workers (at most 3 share one Redis: platform/atrium/testing.py), in a
-# little over half the time of one process on a 2-core machine, where the `atrium up`s of
-# the end-to-end tests then starve for CPU and time out now and then: one process is the
-# default.
+# `PYTEST_ADDOPTS=--randomly-seed=N make test` replays it). `make test` runs on JOBS
+# pytest-xdist workers (at most 3 share one Redis: platform/atrium/testing.py); the tests
+# that start whole `atrium up`s and fleets share one of them (tests/conftest.py), the rest
+# fill the others. `make test JOBS=0` runs everything in one process.
 # `make test-fast` runs on FAST_JOBS workers.
-JOBS ?= 0
+JOBS ?= 2
 FAST_JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -46,7 +46,7 @@ LIVE_FIXTURES = frozenset({
     "sentinel_set", "start_worker", "cluster", "redis_server",
 })
 LIVE_FOLDERS = ("e2e", "fleet", "isolation")
-# Under pytest-xdist (`make test JOBS=2`), the tests that start whole `atrium up`s and fleets run
+# Under pytest-xdist (`make test`), the tests that start whole `atrium up`s and fleets run
 # on one worker, one after another: they share their `atrium up`s (module and session
 # fixtures), and two fleets at once would starve each other on a small machine.
 PROCESS_GROUP = pytest.mark.xdist_group("processes")

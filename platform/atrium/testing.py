@@ -6,7 +6,7 @@ conftest runs. So the environment the tests need is set here: an embedded Redis 
 ``REDIS_URL`` names none (never the machine's own Redis, which tests flush), and a
 test-only ``ATRIUM_HOME``.
 
-Under pytest-xdist (`make test-fast`, `make test JOBS=2`) each worker is a session of its own:
+Under pytest-xdist (`make test`, `make test-fast`) each worker is a session of its own:
 its own Redis databases (the tests flush theirs), its own ``ATRIUM_HOME`` and, by
 pytest-django, its own test database.
 """
