@@ -3,6 +3,7 @@ and a small world of tenants, people and their data built through the services."
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from django.db import transaction
 
 from tests.live import (  # noqa: F401
     adapter_store,
@@ -95,9 +97,21 @@ def build_world() -> World:
                  objects=objects, other_objects=_objects(other, outsider))
 
 
+@pytest.fixture(scope="module")
+def _module_world(django_db_setup, django_db_blocker) -> Iterator[World]:
+    """The world, built once for a module's tests in a transaction rolled back after its
+    last one: each test runs in a savepoint inside it (the `db` fixture), so what one test
+    changes is gone before the next, as with Django's setUpTestData (a module's 230 access
+    walks: 45 s -> 14 s)."""
+    with django_db_blocker.unblock(), transaction.atomic():
+        yield build_world()
+        transaction.set_rollback(True)
+
+
 @pytest.fixture
-def world(db, redis_client) -> World:  # noqa: F811
-    return build_world()
+def world(_module_world, db, redis_client) -> World:  # noqa: F811
+    """A copy for each test, so an object one test changes in memory is not the next's."""
+    return copy.deepcopy(_module_world)
 
 
 # --- the browser ---------------------------------------------------------------------------
