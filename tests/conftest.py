@@ -57,13 +57,19 @@ def _starts_processes(item: pytest.Item) -> bool:
     return item.path.is_relative_to(root) and item.path.relative_to(root).parts[0] in LIVE_FOLDERS
 
 
+def _in_folder(item: pytest.Item, folder: str) -> bool:
+    return item.path.is_relative_to(Path(__file__).parent / folder)
+
+
 class ProcessesLast:
-    """The tests of whole `atrium up`s and fleets last, in their shuffled order: a session's
-    `atrium up` runs until the session ends, and would slow every test after it."""
+    """The tests of whole `atrium up`s and fleets last, in their shuffled order, the
+    end-to-end ones first among them: the session's shared `atrium up`s stop when those
+    end (tests/e2e/conftest.py), not idling beside the fleets and whatever comes after."""
 
     @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle and pytest-django's order
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        items.sort(key=_starts_processes)  # stable: every other order is kept
+        # stable: every other order is kept
+        items.sort(key=lambda i: (_starts_processes(i), not _in_folder(i, "e2e")))
 
 
 class GroupsHeld:

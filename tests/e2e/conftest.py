@@ -234,11 +234,24 @@ def atrium(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         up.start()
         assert up.key, f"the first start shows the demo key:\n{up.output[-3000:]}"
         _fill_model_cache(home)
+        SHARED.append(up)
         yield up
     finally:
         up.stop()
         if cleanup is not None:
             cleanup()
+
+
+# The shared `atrium up`s running now: stopped once the session's end-to-end tests are done
+# (they run one after another: tests/conftest.py), not at the session's end.
+SHARED: list[Atrium] = []
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or not nextitem.path.is_relative_to(Path(__file__).parent):
+        while SHARED:
+            SHARED.pop().stop()
 
 
 @pytest.fixture(autouse=True)
