@@ -41,7 +41,10 @@ def test_the_billing_backlog_and_dead_letters_are_read_at_each_scrape(transactio
     assert _scrape()[("atrium_billing_dead_letters", ())] == 1
 
 
-def test_celery_queue_and_live_engines(transactional_db, redis_client):
+def test_celery_queue_and_live_engines(transactional_db, redis_client, monkeypatch):
+    # NOTE: a heartbeat stays fresh for 10 minutes here, not 5 s: a worker stalled that long
+    # on a busy 2-core machine between the ZADD and the scrape read 0 once in CI.
+    monkeypatch.setattr(protocol, "HEARTBEAT_TTL_S", 600.0)
     redis_client.rpush("celery", "task-1", "task-2")
     redis_client.zadd(protocol.ENGINES_ZSET, {"fresh": time.time(), "stale": time.time() - 3600})
     samples = _scrape()
