@@ -12,7 +12,7 @@ streams a short chat every 250 ms, follows each one's usage into the ledger, and
 one request that crosses its own budget (its alert's arrival at its webhook is timed).
 The peer in the same run is the idle phase; `--root` runs another checkout's `atrium`
 (the code before a change) through the same phases. Nothing here imports the project:
-it drives `atrium`, REST and HTTP as users do (tests/isolation/neighbours.py).
+it drives `atrium`, REST and HTTP as users do (tests/e2e/neighbours.py).
 
     .venv/bin/python bench/isolation.py [--seconds 20] [--root DIR] [--out FILE]
 """
@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 from tests.e2e.conftest import Atrium, free_port, user_env  # noqa: E402
-from tests.isolation.neighbours import (  # noqa: E402
+from tests.e2e.neighbours import (  # noqa: E402
     Quiet,
     QuietAlerts,
     Seat,

@@ -45,7 +45,7 @@ LIVE_FIXTURES = frozenset({
     "counting_engine", "fast_engine", "second_pool", "browser", "new_page",
     "sentinel_set", "start_worker", "cluster", "redis_server",
 })
-LIVE_FOLDERS = ("e2e", "fleet", "isolation")
+LIVE_FOLDERS = ("e2e", "fleet")
 # Under pytest-xdist (`make test`), the tests that start whole `atrium up`s and fleets run
 # on one worker, one after another: they share their `atrium up`s (module and session
 # fixtures), and two fleets at once would starve each other on a small machine.

@@ -37,8 +37,13 @@ MODEL_CACHE = ROOT / "var" / "e2e-models"
 START_TIMEOUT_S = 300
 # What the shared `atrium up`s are told beyond a user's defaults: a batch runner holds its
 # batch 3 s between heartbeats, so one killed is resumed soon (tests/e2e/test_batches.py),
-# and runs two lines at a time, so a kill lands mid-batch. No test changes a shared one.
-SHARED_ENV = {"ATRIUM_BATCH_LEASE_S": "3", "ATRIUM_BATCH_CONCURRENCY": "2"}
+# and runs two lines at a time, so a kill lands mid-batch. For the noisy neighbours
+# (test_noisy_neighbours.py): webhooks may reach loopback (the test's own servers), a
+# delivery gives up after 5 s, so a trickling endpoint is cut within the test's time, and
+# a tenant has at most three batches not ended. No test changes a shared one.
+SHARED_ENV = {"ATRIUM_BATCH_LEASE_S": "3", "ATRIUM_BATCH_CONCURRENCY": "2",
+              "ATRIUM_WEBHOOK_ALLOW_PRIVATE": "1", "ATRIUM_WEBHOOK_TIMEOUT_S": "5",
+              "ATRIUM_TENANT_MAX_ACTIVE_BATCHES": "3"}
 PROJECT_ENV = ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "TRITON_INTERPRET")
 
 

@@ -8,6 +8,7 @@ import json
 from typing import Literal
 
 import openai
+import pytest
 from pydantic import BaseModel, Field
 
 from tests.e2e.conftest import Atrium
@@ -29,6 +30,7 @@ ASK = [{"role": "user", "content": "Plan a trip to the sea."}]
 FORECAST = openai.pydantic_function_tool(Forecast, name="get_forecast")
 
 
+@pytest.mark.setups("embedded")  # the grammar engine's work, the same on either setup
 def test_parse_gives_the_model_every_time_under_many_seeds(atrium: Atrium):
     client = atrium.openai()
     for seed in range(24):

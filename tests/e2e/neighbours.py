@@ -6,7 +6,7 @@ uploads, many batches with lines that fail, hostile `user` values, schemas that 
 to compile) run in the background while :class:`Quiet` measures what the quiet tenant
 gets: time to first token, how long its usage takes to reach the ledger, how long its
 budget alert takes to reach its webhook. Shared by the noisy-neighbour tests
-(tests/isolation) and bench/isolation.py; nothing here imports the project.
+(tests/e2e/test_noisy_neighbours.py) and bench/isolation.py; nothing here imports the project.
 """
 
 from __future__ import annotations
