@@ -177,12 +177,12 @@ def test_failures_are_retried_with_backoff_and_logged_until_answered(receiver, m
         (1, 500, "http_status: answered 500")
     assert _due_pass(monkeypatch) == 0  # not due yet: the backoff holds it
     first_wait = delivery.next_attempt_at - timezone.now()
-    time.sleep(0.35)
+    time.sleep(0.35)  # the first backoff (0.3 s) runs out
     assert _due_pass(monkeypatch) == 1
     delivery.refresh_from_db()
     assert delivery.attempts == 2 and delivery.status == "pending"
     assert delivery.next_attempt_at - timezone.now() > first_wait  # the wait doubled
-    time.sleep(0.65)
+    time.sleep(0.65)  # the second, twice as long, runs out
     assert _due_pass(monkeypatch) == 1
     delivery.refresh_from_db()
     assert (delivery.status, delivery.attempts, delivery.last_status_code) == \

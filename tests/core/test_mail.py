@@ -22,7 +22,7 @@ class _Smtp(socketserver.StreamRequestHandler):
         if server.trickle:
             for byte in b"220 slow.test ESMTP\r\n":
                 self.wfile.write(bytes([byte]))
-                time.sleep(0.5)
+                time.sleep(0.5)  # a byte inside each read's timeout; the greeting takes 10 s
             return
         self.wfile.write(b"220 mail.test ESMTP\r\n")
         while line := self.rfile.readline():

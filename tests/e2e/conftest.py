@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from tests.ports import free_port, free_ports
+from tests.waiting import wait_for  # noqa: F401 - the e2e tests' own
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the environment `make install` made: atrium, python
@@ -305,14 +306,3 @@ def processes_of(root_pid: int, *words: bytes) -> list[int]:
         if session == os.getsid(root_pid) and all(w in cmdline for w in words):
             found.append(int(entry.name))
     return found
-
-
-def wait_for(predicate, *, timeout: float, interval: float = 0.5, what: str = "condition"):
-    """Polls ``predicate`` until it returns something truthy; returns that."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(interval)

@@ -72,7 +72,8 @@ def prometheus(atrium: Atrium, tmp_path_factory: pytest.TempPathFactory) -> Iter
             results = reply.json()["data"]["result"] if reply.status_code == 200 else []
             return len(results) == 3 and all(r["value"][1] == "1" for r in results)
 
-        wait_for(all_up, timeout=60, what="Prometheus to scrape the web, engine and worker")
+        wait_for(all_up, timeout=60, interval=0.5,
+                 what="Prometheus to scrape the web, engine and worker")
         yield base
     finally:
         proc.terminate()

@@ -102,7 +102,7 @@ def test_uploaded_adapter_becomes_ready_and_changes_greedy_output(atrium: Atrium
             assert state["status"] != "failed", state
             return state["status"] == "ready"
 
-        wait_for(ready, timeout=60, what="the adapter to become ready")
+        wait_for(ready, timeout=60, interval=0.5, what="the adapter to become ready")
     print(f"adapter ready {time.monotonic() - began:.1f}s after upload ({atrium.setup})")
     client = atrium.openai()
     name = f"{atrium.model}:sea-poet"
@@ -145,7 +145,7 @@ def _export(http, fmt: str, start: datetime, end: datetime) -> tuple[list[dict],
         assert state["status"] != "failed", state
         return state if state["status"] == "succeeded" else None
 
-    state = wait_for(finished, timeout=60, what=f"the {fmt} export")
+    state = wait_for(finished, timeout=60, interval=0.5, what=f"the {fmt} export")
     download = http.get(state["download_url"])
     assert download.status_code == 200
     body = download.content
@@ -172,7 +172,7 @@ def test_ledger_exports_match_the_usage_api(atrium: Atrium):
     ids.add(client.completions.create(model=atrium.model, prompt="The sea", max_tokens=7).id)
     with atrium.http(key) as http:
         usage = wait_for(lambda: (u := _usage_of_key(http, key_id, since))["requests"] == 4
-                         and u, timeout=60, what="usage to be ingested")
+                         and u, timeout=60, interval=0.5, what="usage to be ingested")
         for fmt in ("csv", "jsonl"):
             rows, _ = _export(http, fmt, since, since + timedelta(days=1))
             mine = [r for r in rows if int(r["api_key_id"]) == key_id]

@@ -51,7 +51,8 @@ def test_every_process_serves_metrics_on_loopback_and_they_count_requests(atrium
         before = _value(web, "atrium_inference_requests_total", **chat)
         return now if _value(now, "atrium_inference_requests_total", **chat) > before else None
 
-    web_after = wait_for(counted, timeout=30, what="the web process to count the request")
+    web_after = wait_for(counted, timeout=30, interval=0.5,
+                         what="the web process to count the request")
     assert _value(web_after, "atrium_inference_tokens_total", model=atrium.model,
                   kind="completion") - _value(web, "atrium_inference_tokens_total",
                                               model=atrium.model, kind="completion") \
@@ -74,7 +75,7 @@ def test_every_process_serves_metrics_on_loopback_and_they_count_requests(atrium
         lambda: (now := _scrape(urls["engine"])) and _value(
             now, "vllm:request_success_total", **served) > _value(
             engine, "vllm:request_success_total", **served) and now,
-        timeout=30, what="the engine's metrics to count the request")
+        timeout=30, interval=0.5, what="the engine's metrics to count the request")
     assert _value(engine_after, "vllm:generation_tokens_total", **served) \
         - _value(engine, "vllm:generation_tokens_total", **served) >= completion
     assert _value(engine_after, "vllm:request_success_total", **served) \
@@ -87,4 +88,4 @@ def test_every_process_serves_metrics_on_loopback_and_they_count_requests(atrium
     # The Celery worker's child process wrote the request's usage to the ledger.
     wait_for(lambda: _value(_scrape(urls["worker"]), "atrium_billing_usage_events_total",
                             outcome="written") > 0,
-             timeout=60, what="the worker to count the usage it ingested")
+             timeout=60, interval=0.5, what="the worker to count the usage it ingested")

@@ -135,7 +135,7 @@ def test_batches_with_failing_lines_and_hostile_users_never_reach_the_quiet_tena
             return states if all(s["status"] in ("completed", "cancelled")
                                  for s in states) else []
 
-        states = wait_for(ended, timeout=120, what="the hostile batches to end")
+        states = wait_for(ended, timeout=120, interval=0.5, what="the hostile batches to end")
     counts = [s["request_counts"] for s in states]
     # Lines that fail are the lines' own answers: no batch failed for them.
     assert all(s["status"] != "failed" for s in states)

@@ -103,7 +103,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, timeout=120, what="atrium web and the engine")
+        wait_for(ready, timeout=120, interval=0.5, what="atrium web and the engine")
         yield Fleet(base, redis, web, key, small_key, home / "web.log", procs)
     finally:
         for proc in procs:

@@ -14,6 +14,12 @@ import pytest
 import redis
 from tokenizers import Tokenizer
 
+# transformers 5 resolves its names lazily, and two threads resolving them at once can fail
+# ("cannot import name 'AutoModelForCausalLM' from 'transformers'", seen here: a worker
+# thread's engine importing its tokenizer class while a test loaded the reference model).
+# Both are resolved here, in the main thread, before any worker thread starts.
+import engine.grammar  # noqa: F401
+import engine.reference  # noqa: F401
 from engine import protocol
 
 

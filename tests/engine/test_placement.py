@@ -15,6 +15,7 @@ from engine.metrics import render_prometheus
 from engine.prefix_hash import PrefixSummary, cache_scope, prompt_keys
 from engine.streams import RequestStreams
 from engine.worker import WorkerConfig
+from tests.waiting import heartbeat_since
 
 PROMPT = [0, 11, 12, 13, 14]
 RECOVER_FAST = WorkerConfig(idle_block_ms=20, recovery_interval_s=0.1, claim_min_idle_s=0.05)
@@ -63,8 +64,8 @@ def test_the_heartbeat_summarises_the_cached_prefix_as_the_web_tier_keys_it(
     request.cache_salt = "salt-1"
     _place(redis_client, "engine-a", request)
     assert read_events(redis_client, request.request_id)[-1].is_final
-    time.sleep(protocol.HEARTBEAT_INTERVAL_S + 0.2)
-    summary = PrefixSummary.from_dict(_beat(redis_client, "engine-a").placement["prefix"])
+    beat = heartbeat_since(redis_client, "engine-a", since=time.time())
+    summary = PrefixSummary.from_dict(beat.placement["prefix"])
     assert summary is not None and summary.block_size == 16
     own = prompt_keys(prompt, 16, cache_scope("t1", "salt-1", None))
     assert summary.cached_blocks(own) == 4
@@ -88,8 +89,7 @@ def test_an_idle_engine_takes_half_of_what_a_busy_peer_has_not_read(start_worker
         time.sleep(0.05)
     for request in requests[:3]:  # the oldest
         assert read_events(redis_client, request.request_id)[-1].is_final
-    time.sleep(protocol.HEARTBEAT_INTERVAL_S + 0.2)
-    beat = _beat(redis_client, "engine-a")
+    beat = heartbeat_since(redis_client, "engine-a", since=time.time())
     assert beat.stats["requests_stolen"] == 3
     assert redis_client.xlen(protocol.engine_stream("tiny", "busy")) == 3  # the rest left to it
     # What Prometheus reads from the engine (its metrics port serves this snapshot).

@@ -22,6 +22,7 @@ from engine.events import Entry, EventWriter
 from engine.outputs import RequestOutput, Usage
 from engine.worker import WorkerConfig, redis_options, run_worker
 from tests.redis_server import RedisServer
+from tests.waiting import heartbeat_since
 
 PROMPT = [0, 11, 12, 13, 14]
 LONG = dict(max_tokens=1900, ignore_eos=True)  # runs for seconds unless something stops it
@@ -98,18 +99,6 @@ def _tokens(events: list[protocol.Event]) -> int:
     return sum(len(e.data["token_ids"]) for e in events if e.type == protocol.EV_DELTA)
 
 
-def _heartbeat(client: redis.Redis, *, since: float, timeout: float = 5.0
-               ) -> protocol.EngineHeartbeat:
-    """The engine's first heartbeat sent at or after ``since`` (unix s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        raw = client.get(protocol.engine_key("engine-a"))
-        if raw is not None and (beat := protocol.EngineHeartbeat.decode(raw)).sent_at >= since:
-            return beat
-        assert time.monotonic() < deadline, "no heartbeat"
-        time.sleep(0.02)
-
-
 def _mid_generation(client: redis.Redis) -> tuple[protocol.EngineRequest, list[protocol.Event]]:
     """A long request, and its events up to its fourth delta."""
     request = make_request(PROMPT, **LONG)
@@ -132,7 +121,8 @@ def _assert_stopped_for_want_of_redis(final: protocol.Event, report: protocol.Us
     assert GRACE - 0.25 <= stopped_after < GRACE + slack, stopped_after
     # What the engine sampled, by its own metrics, is what it reported: nothing more was
     # generated once Redis was gone.
-    generated = _heartbeat(client, since=report.occurred_at).stats["engine"]["generation_tokens"]
+    beat = heartbeat_since(client, "engine-a", since=report.occurred_at)
+    generated = beat.stats["engine"]["generation_tokens"]
     assert report.usage["completion_tokens"] == generated
 
 
@@ -143,7 +133,7 @@ def test_a_request_running_when_redis_dies_is_stopped_and_billed_once_after_rest
     with server.client() as client:
         request, before = _mid_generation(client)
     killed_at = server.kill()
-    time.sleep(GRACE + 0.5)
+    time.sleep(GRACE + 0.5)  # an outage longer than the grace period: the engine gives up
     server.start()  # on the same port, with nothing in it
     with server.client() as client:
         after = read_events(client, request.request_id, timeout=10)
@@ -156,7 +146,7 @@ def test_a_request_running_when_redis_dies_is_stopped_and_billed_once_after_rest
         assert after[0].seq >= before[-1].seq
         received = _tokens(before) + _tokens([e for e in after if e.seq > before[-1].seq])
         assert 0 < received <= report.usage["completion_tokens"]
-        time.sleep(0.3)
+        time.sleep(0.3)  # a second report, were there one, has had time to be written
         assert _reports(client) == [report]
 
 
@@ -167,7 +157,7 @@ def test_with_an_append_only_file_every_event_arrives_once_and_in_order(
     with server.client() as client:
         request, _ = _mid_generation(client)
     killed_at = server.kill()
-    time.sleep(GRACE + 0.5)
+    time.sleep(GRACE + 0.5)  # an outage longer than the grace period: the engine gives up
     server.start()
     with server.client() as client:
         events = read_events(client, request.request_id, timeout=10)
@@ -190,7 +180,7 @@ def test_a_hung_redis_stops_the_request_within_the_socket_timeout(redis_server,
     # What the engine had sent when Redis froze runs when it resumes, after the engine gave
     # up on the answer: whatever it was, no event and no usage report appears twice.
     paused_at = server.pause()
-    time.sleep(GRACE + 1.0)
+    time.sleep(GRACE + 1.0)  # frozen past the grace period and the socket timeout
     server.resume()
     with server.client() as client:
         events = read_events(client, request.request_id, timeout=10)
@@ -200,7 +190,7 @@ def test_a_hung_redis_stops_the_request_within_the_socket_timeout(redis_server,
         _assert_stopped_for_want_of_redis(events[-1], report, paused_at, client, slack=0.5)
         assert [e.seq for e in events] == list(range(len(events)))
         assert _tokens(events) == report.usage["completion_tokens"] > 0
-        time.sleep(0.3)
+        time.sleep(0.3)  # a second report, were there one, has had time to be written
         assert _reports(client) == [report]
 
 
@@ -213,7 +203,7 @@ def test_a_request_outlives_an_outage_shorter_than_the_grace_period(redis_server
         submit(client, request)
         read_events(client, request.request_id, until=lambda e: e.type == protocol.EV_DELTA)
     server.kill()
-    time.sleep(0.3)
+    time.sleep(0.3)  # an outage, well inside the 10 s grace period
     server.start()
     with server.client() as client:
         events = read_events(client, request.request_id, timeout=60)
@@ -235,7 +225,7 @@ def test_the_worker_serves_new_requests_after_redis_restarts(redis_server, start
         submit(client, first)
         assert read_events(client, first.request_id)[-1].type == protocol.EV_FINISH
     server.kill()
-    time.sleep(GRACE + 0.5)
+    time.sleep(GRACE + 0.5)  # an outage longer than the grace period: the engine gives up
     server.start()
     with server.client() as client:
         request = make_request(PROMPT, max_tokens=5, ignore_eos=True)
@@ -245,7 +235,8 @@ def test_the_worker_serves_new_requests_after_redis_restarts(redis_server, start
         assert events[-1].data["usage"]["completion_tokens"] == 5
         groups = client.xinfo_groups(protocol.request_stream("tiny"))
         assert [g["name"] for g in groups] == [protocol.ENGINE_GROUP.encode()]
-        assert _heartbeat(client, since=time.time() - 0.5).engine_id == "engine-a"
+        assert heartbeat_since(client, "engine-a", since=time.time() - 0.5).engine_id == \
+            "engine-a"
         reported = [r.request_id for r in _reports(client)]
         assert reported.count(request.request_id) == 1
         if persistent:

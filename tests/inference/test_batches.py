@@ -224,7 +224,7 @@ def test_a_runner_killed_mid_batch_is_resumed_and_no_line_is_lost_or_billed_twic
     done_before = BatchLine.objects.filter(batch_id=batch.id, status="completed").count()
     assert done_before < len(lines)
     assert run(batch.id) == "not claimed"  # its lease has not lapsed yet
-    time.sleep(2.1)
+    time.sleep(2.1)  # the lease (2 s) lapses
     assert run(batch.id) == "ran"
     done = client.batches.retrieve(batch.id)
     assert done.status == "completed"
@@ -236,7 +236,7 @@ def test_a_runner_killed_mid_batch_is_resumed_and_no_line_is_lost_or_billed_twic
         assert time.time() < deadline
         drain(redis_client)
         time.sleep(0.2)
-    time.sleep(1.0)
+    time.sleep(1.0)  # a second report of a line, were there one, has had time to come
     drain(redis_client)
     billed = list(UsageRecord.objects.filter(tenant_id=caller.tenant_id)
                   .values_list("request_id", flat=True))

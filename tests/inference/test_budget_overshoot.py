@@ -16,8 +16,9 @@ from billing.models import UsageRecord
 from billing.money import micros
 from billing.services import budget_create, price_create
 from tenants.access import SYSTEM
-from tests.inference.test_rate_limits import _up, _web_process, make_caller, wait_for
+from tests.inference.test_rate_limits import _up, _web_process, make_caller
 from tests.live import free_port, start_engine
+from tests.waiting import wait_for
 
 REQUESTS = 200
 PROMPT = list(range(10, 20))  # 10 prompt tokens
@@ -50,7 +51,7 @@ def test_two_web_processes_never_spend_past_a_budget(transactional_db, served_mo
 
     try:
         for port in ports:
-            wait_for(lambda p=port: _up(p), 30)
+            wait_for(lambda p=port: _up(p), timeout=30, what="the web process")
         with ThreadPoolExecutor(100) as pool:
             answers = list(pool.map(one, range(REQUESTS)))
     finally:

@@ -63,17 +63,28 @@ def _counting_reads(client) -> list[int]:
     return sizes
 
 
+async def _waiting_for_notices(sizes: list[int], timeout: float = 10.0) -> None:
+    """Returns once the reader's last XREAD (counted by _counting_reads) names its notify
+    stream alone: its first sweep is over, and it waits for a notice."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while sizes[-1:] != [1]:
+        assert loop.time() < deadline, f"the reader never waited for notices: {sizes}"
+        await asyncio.sleep(0.01)
+
+
 def test_a_notice_has_its_stream_read_at_once_and_alone(run, monkeypatch):
     # No sweep in this test: only the notice can get the stream read in time.
     monkeypatch.setattr(event_hub, "SWEEP_S", 60.0)
 
     async def scenario(client):
+        sizes = _counting_reads(client)
         hub = EventHub(client)
         waiting = [hub.subscribe() for _ in range(200)]
         for i, subscription in enumerate(waiting):
             notify = subscription.attach(MODEL, f"idle{i}")
-        await asyncio.sleep(0.3)  # the first sweep is over: the reader waits for notices
-        sizes = _counting_reads(client)
+        await _waiting_for_notices(sizes)
+        sizes.clear()  # the reads that follow are the notice's
         late = hub.subscribe()
         late.attach(MODEL, "late")
         await _write(client, "late", 0, notify=notify)
@@ -90,10 +101,11 @@ def test_events_written_without_a_notice_are_read_by_the_sweep(run, monkeypatch)
     monkeypatch.setattr(event_hub, "SWEEP_S", 0.3)
 
     async def scenario(client):
+        sizes = _counting_reads(client)
         hub = EventHub(client)
         subscription = hub.subscribe()
         subscription.attach(MODEL, "quiet")
-        await asyncio.sleep(0.1)
+        await _waiting_for_notices(sizes)  # the first sweep found nothing
         await _write(client, "quiet", 0, 1)  # no notice
         return await _read_all(subscription, 2)
 
@@ -146,10 +158,11 @@ def test_redis_going_away_is_a_503_for_the_waiting_requests(tmp_path):
     async def scenario():
         client = aioredis.Redis.from_url(server.url)
         try:
+            sizes = _counting_reads(client)
             hub = EventHub(client)
             waiting = hub.subscribe()
             waiting.attach(MODEL, "w")
-            await asyncio.sleep(0.2)
+            await _waiting_for_notices(sizes)
             server.kill()
             with pytest.raises(ServiceUnavailable):
                 for _ in range(50):

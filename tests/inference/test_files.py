@@ -407,9 +407,10 @@ def test_a_tenants_uploads_take_turns_while_another_tenants_go_beside(api_server
     first = send("first", acme.key)
     try:
         assert GatedStorage.entered.wait(30), "the first upload never reached its storage"
-        second = send("second", acme.key)  # the same tenant's: waits for its turn
-        time.sleep(1)
         GatedStorage.entered.clear()
+        second = send("second", acme.key)  # the same tenant's: waits for its turn
+        time.sleep(1)  # time enough to reach its storage, were it not waiting
+        assert not GatedStorage.entered.is_set(), "the same tenant's upload did not wait"
         theirs = send("theirs", globex.key)  # another tenant's: reaches storage meanwhile
         assert GatedStorage.entered.wait(30), "another tenant's upload waited"
         assert "second" not in answers and second.is_alive()

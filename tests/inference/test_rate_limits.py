@@ -21,6 +21,7 @@ from inference import admission as quota
 from tests.factories import key_factory, plan_factory, tenant_factory
 from tests.inference.slow_engine import slow_factory
 from tests.live import free_port, queued_requests, start_engine
+from tests.waiting import wait_for
 
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-limit-tokens",
                 "x-ratelimit-remaining-requests", "x-ratelimit-remaining-tokens",
@@ -66,13 +67,6 @@ def tokens_held(redis_client, caller: Caller, limit: int) -> float:
 
 def in_flight(redis_client, caller: Caller) -> int:
     return redis_client.zcard(quota.quota_key(caller.tenant_id, "inflight"))
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -304,7 +298,8 @@ def test_use_is_recorded_on_the_key(api_server, served_model):
 
     caller = make_caller()
     post(api_server, caller, chat(served_model))
-    wait_for(lambda: ApiKey.objects.get(pk=caller.key_id).last_used_at is not None, 5)
+    wait_for(lambda: ApiKey.objects.get(pk=caller.key_id).last_used_at is not None,
+             timeout=5, what="the key's last use to be written")
 
 
 def test_redis_down_is_503_never_allow(api_server, served_model, settings):
@@ -337,7 +332,7 @@ def test_the_plans_priority_travels_with_the_request(api_server, served_model, r
     sender = threading.Thread(target=send)
     sender.start()
     stream = protocol.request_stream(served_model)
-    wait_for(lambda: redis_client.xlen(stream) > 0, 5)
+    wait_for(lambda: redis_client.xlen(stream) > 0, timeout=5)
     _, fields = redis_client.xrange(stream)[0]
     request = protocol.EngineRequest.decode(fields)
     sender.join()
@@ -402,7 +397,7 @@ def test_web_processes_share_one_set_of_limits(transactional_db, served_model, t
     servers = [_web_process(port, tiny_model_path) for port in ports]
     try:
         for port in ports:
-            wait_for(lambda p=port: _up(p), 30)
+            wait_for(lambda p=port: _up(p), timeout=30, what="the web process")
         with ThreadPoolExecutor(12) as pool:
             statuses = list(pool.map(
                 lambda i: post(f"http://127.0.0.1:{ports[i % 2]}", caller,

@@ -23,11 +23,11 @@ import pytest
 import redis as redis_lib
 from django.conf import settings
 
-from engine import protocol
 from inference import admission as quota
 from tests.inference.slow_engine import slow_factory
 from tests.live import start_engine
 from tests.redis_server import RedisServer
+from tests.waiting import heartbeat_since
 
 SSE_STREAMS = 3
 MAX_TOKENS = 300
@@ -190,7 +190,7 @@ def test_redis_killed_mid_stream_ends_every_stream_cleanly_and_recovers(
 def _billed_and_generated(tenant_id: int, engine_id: str,
                           cut: list[str]) -> tuple[dict[str, int], int]:
     """Completion tokens in the ledger by request, once the cut requests are in it, and the
-    tokens the engine says it generated (its heartbeat, a second after the last request)."""
+    tokens the engine says it generated (its first heartbeat after they are)."""
     from billing.models import UsageRecord
     from billing.tasks import usage_ingest
 
@@ -204,6 +204,5 @@ def _billed_and_generated(tenant_id: int, engine_id: str,
             break
         time.sleep(0.3)
     assert set(cut) <= set(billed), (cut, billed)
-    time.sleep(protocol.HEARTBEAT_INTERVAL_S * 1.5)
-    beat = protocol.EngineHeartbeat.decode(live.get(protocol.engine_key(engine_id)))
+    beat = heartbeat_since(live, engine_id, since=time.time())
     return billed, beat.stats["tokens_generated"]

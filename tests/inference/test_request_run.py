@@ -15,8 +15,9 @@ import pytest
 
 from inference import pipeline, service
 from inference.auth import authenticate
-from tests.inference.test_rate_limits import client_for, in_flight, make_caller, wait_for
+from tests.inference.test_rate_limits import client_for, in_flight, make_caller
 from tests.inference.test_streaming_lifecycle import slow_engine  # noqa: F401
+from tests.waiting import wait_for
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from atrium.server import GuardedH11Protocol
+from tests.waiting import wait_for
+
 
 def _connect(api_server: str) -> socket.socket:
     url = urlsplit(api_server)
@@ -69,13 +72,15 @@ def test_a_body_shorter_than_its_content_length_gets_a_json_408(api_server, sett
 def test_connections_waiting_for_headers_are_capped(api_server, settings):
     settings.ATRIUM_MAX_PENDING_CONNECTIONS = 4
     settings.ATRIUM_HEADER_TIMEOUT_S = 5.0
+    waiting = GuardedH11Protocol.awaiting_headers
     idle = [_connect(api_server) for _ in range(4)]
     try:
-        time.sleep(0.3)
+        wait_for(lambda: len(waiting) == 4, timeout=10,
+                 what="the server to hold the four connections waiting for headers")
         with _connect(api_server) as extra:
             assert _closed_within(extra, 5) < 1  # closed at once, nothing answered
     finally:
         for sock in idle:
             sock.close()
-    time.sleep(0.3)
+    wait_for(lambda: not waiting, timeout=10, what="the server to let the four go")
     assert httpx.get(f"{api_server}/livez", timeout=10).status_code == 200

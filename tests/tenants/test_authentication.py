@@ -100,6 +100,7 @@ def _kill(key, how: str) -> None:
     if how == "revoked":
         api_key_revoke(tenant=tenant, key_id=key.key_id)
         return
+    # An expiry is set in the future or not at all: the key is left to run out.
     soon = timezone.now() + timedelta(seconds=1)
     api_key_update(tenant=tenant, key_id=key.key_id, actor=SYSTEM, expires_at=soon)
     time.sleep(max(0.0, (soon - timezone.now()).total_seconds()) + 0.05)
