@@ -11,6 +11,8 @@ path lookup (and no torch import) once the model is cached.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -19,6 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,18 +211,30 @@ def ensure_demo_model(home: Path | str | None = None) -> Path:
     """Returns the cached demo model, building it first if this is the first call.
 
     The build goes into a temporary folder beside the target and is renamed into
-    place, so a crashed build leaves no half model and two racing processes both
-    end up using the one that was renamed first.
+    place, so a crashed build leaves no half model. Processes sharing the models folder
+    build it once: the others wait for that build (a lock on the folder) and use it.
     """
     target = demo_model_dir(home)
     if (target / "config.json").exists():
         return target
     # NOTE: one build per process: a web process's first requests (every /readyz poll)
     # would each start a build of their own, minutes of training and gigabytes apiece.
-    with _BUILDING:
+    with _BUILDING, _folder_locked(target.parent):
         if (target / "config.json").exists():
             return target
         return _build_demo_model(target)
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock between processes on ``folder`` itself (no lock file is left)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _build_demo_model(target: Path) -> Path:

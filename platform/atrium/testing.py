@@ -7,8 +7,8 @@ conftest runs. So the environment the tests need is set here: an embedded Redis 
 test-only ``ATRIUM_HOME``.
 
 Under pytest-xdist (`make test`, `make test-fast`) each worker is a session of its own:
-its own Redis databases (the tests flush theirs), its own ``ATRIUM_HOME`` and, by
-pytest-django, its own test database.
+its own Redis databases (the tests flush theirs), its own ``ATRIUM_HOME`` (all but the
+demo model, which they share) and, by pytest-django, its own test database.
 """
 
 from __future__ import annotations
@@ -76,6 +76,15 @@ if worker:
     # wait behind the other worker's tests for as long as those keep both cores busy.
     os.nice(19 - os.nice(0))
 Path(os.environ["ATRIUM_HOME"]).mkdir(parents=True, exist_ok=True)  # the SQLite test db
+if worker:
+    # NOTE: the workers share the demo model (a minute of training, built on first use when
+    # no ATRIUM_MODEL is named): each worker's home links to the session home's models,
+    # where engine/demo_model.py builds it once for all of them.
+    shared_models = Path(os.environ["ATRIUM_HOME"]).parent / "models"
+    shared_models.mkdir(exist_ok=True)
+    worker_models = Path(os.environ["ATRIUM_HOME"]) / "models"
+    if not worker_models.exists() and not worker_models.is_symlink():
+        worker_models.symlink_to(shared_models, target_is_directory=True)
 os.environ.setdefault("ATRIUM_MODEL_NAME", "tiny-llama")
 # Triton kernels run in the interpreter on a machine without an NVIDIA GPU. NOTE: set
 # before anything imports a kernel module: @triton.jit reads it when it decorates.

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -188,6 +190,37 @@ def test_requests_racing_in_one_process_build_the_model_once(tiny_demo, tmp_path
     results = _race(tmp_path, 4)
     assert len(results) == 4 and len(set(results)) == 1
     assert len(tiny_demo) == 1  # the others waited for it, then found the model built
+
+
+# What each process runs: the demo size made tiny, each build marked with the builder's pid.
+BUILDER = """
+import os, sys, time
+from pathlib import Path
+from engine import demo_model
+home, built = Path(sys.argv[1]), Path(sys.argv[2])
+demo_model.SIZES["demo"] = demo_model.SIZES["tiny"]
+real = demo_model.build_model
+def marked(out_dir, **kwargs):
+    (built / str(os.getpid())).touch()
+    time.sleep(1.0)  # long enough for the other process to arrive while this one builds
+    return real(out_dir, **kwargs)
+demo_model.build_model = marked
+print(demo_model.ensure_demo_model(home))
+"""
+
+
+def test_processes_sharing_a_home_build_the_model_once(tmp_path: Path):
+    """Two processes (the test session's workers, an operator's two engines) that find no
+    model at once: one builds it, the other waits for that build and uses it."""
+    built = tmp_path / "built"
+    built.mkdir()
+    builders = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path), str(built)],
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=120)[0].strip() for process in builders]
+    assert [process.returncode for process in builders] == [0, 0]
+    assert outputs[0] == outputs[1] and Path(outputs[0]).parent == tmp_path / "models"
+    assert len(list(built.iterdir())) == 1
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [Path(outputs[0]).name]
 
 
 def test_cli_builds_into_the_given_folder(tmp_path: Path, capsys):
