@@ -93,11 +93,12 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     if demo_model:
         from engine.demo_model import demo_model_dir, ensure_demo_model
 
-        if not (demo_model_dir(home) / "config.json").exists():
-            print("building the demo model (once; cached under ATRIUM_HOME)...", flush=True)
-        os.environ["ATRIUM_MODEL"] = str(ensure_demo_model(home))
+        os.environ["ATRIUM_MODEL"] = str(demo_model_dir(home))  # built, or built below
         os.environ.setdefault("ATRIUM_MODEL_NAME", "atrium-demo")
-    django_setup()
+    django_setup()  # settings and the Celery broker refused before a minute of training
+    if demo_model and not (demo_model_dir(home) / "config.json").exists():
+        print("building the demo model (once; cached under ATRIUM_HOME)...", flush=True)
+        ensure_demo_model(home)
     from django.core.management import call_command
 
     from core.served_models import model_paths

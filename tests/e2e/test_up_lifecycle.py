@@ -7,12 +7,18 @@ import socket
 import subprocess
 from pathlib import Path
 
-from tests.e2e.conftest import BIN, ROOT, Atrium, free_port, user_env
+from tests.e2e.conftest import (
+    BIN,
+    ROOT,
+    Atrium,
+    _fill_model_cache,
+    _seed_model_cache,
+    free_port,
+    user_env,
+)
 
 
 def _fresh(tmp_path: Path) -> Atrium:
-    from tests.e2e.conftest import _seed_model_cache
-
     home = tmp_path / "home"
     home.mkdir()
     _seed_model_cache(home)
@@ -29,6 +35,7 @@ def test_the_demo_key_is_made_once_and_a_restart_says_how_to_get_another(tmp_pat
     up = _fresh(tmp_path)
     try:
         up.start()
+        _fill_model_cache(up.home)  # when this start built the model, later homes copy it
         first_key = up.key
         assert first_key
         # The banner's own examples run as printed.
@@ -105,7 +112,9 @@ def test_make_up_passes_the_port():
 
 
 def test_a_broker_other_than_redis_stops_atrium_up_with_one_line(tmp_path):
-    up = _fresh(tmp_path)
+    home = tmp_path / "home"  # no demo model: the refusal comes before a minute of training
+    home.mkdir()
+    up = Atrium(setup="embedded", home=home, env=user_env(home), port=free_port())
     result = subprocess.run([str(BIN / "atrium"), "up", "--port", str(up.port),
                              "--metrics-port", str(up.metrics_port)],
                             env={**up.env, "CELERY_BROKER_URL": "amqp://guest@localhost:5672"},
@@ -113,3 +122,5 @@ def test_a_broker_other_than_redis_stops_atrium_up_with_one_line(tmp_path):
     assert result.returncode != 0
     assert "atrium: Celery must use the platform's Redis" in result.stderr
     assert "Traceback" not in result.stderr
+    assert "building the demo model" not in result.stdout
+    assert not (home / "models").exists()
