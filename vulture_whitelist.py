@@ -71,6 +71,7 @@ _.runner_lease_until
 _.surcharge_ref
 _.target_modules
 _.updated_at
+_.response_retention_days
 
 # TextChoices members: read through the enum (Window.choices, Window.values) and stored.
 _.INPUT
@@ -147,6 +148,37 @@ _.function_call
 _.annotations
 _.audio
 _.strict
+
+# Responses API fields Atrium does not serve: declared so that only their no-op values
+# pass, and any other is a 400 naming them (inference/protocols/responses_request.py).
+_.include_obfuscation
+_.effort
+_.generate_summary
+_.reasoning
+_.service_tier
+_.max_tool_calls
+_.prompt_cache_key
+_.prompt_cache_retention
+_.context_management
+
+# Messages API fields Atrium accepts as hints or refuses past their no-op values, never
+# reads (inference/protocols/messages.py).
+_.citations
+_.cache_control
+_.caller
+_.toolset_name
+_.eager_input_streaming
+_.defer_loading
+_.allowed_callers
+_.input_examples
+_.thinking
+_.mcp_servers
+_.container
+_.speed
+_.inference_geo
+_.diagnostics
+_.user_profile_id
+_.workspace_id
 
 # Hooks and attributes a library reads: Django's ASGI handler and request, http.server's
 # handler, prometheus-client's collector, tokenizers' Tokenizer.

@@ -296,6 +296,8 @@ class EventWriter:
                                   "usage": usage})
         else:
             data = {"finish_reason": out.finish_reason, "usage": usage}
+            if out.stop_reason is not None:
+                data["stop_reason"] = out.stop_reason
             if out.choices is not None:
                 data["choices"] = out.choices
             event = self._append(batch, out.request_id, protocol.EV_FINISH, data)

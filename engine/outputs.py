@@ -39,6 +39,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
     finished: bool = False
     finish_reason: str | None = None  # protocol.FINISH_* or None while running / on error
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     usage: Usage | None = None  # set on the final output
     error: str | None = None  # set when the engine failed this request
     error_code: str | None = None  # protocol.ERROR_*; default: the worker's (engine_error)

@@ -64,7 +64,8 @@ class ParallelGroup:
         """How each choice ended; one still running, or never forked, ends with ``reason``."""
         return [{"index": index,
                  "finish_reason": seq.finish_reason if seq and seq.finished else reason,
-                 "cumulative_logprob": seq.cumulative_logprob if seq else 0.0}
+                 "cumulative_logprob": seq.cumulative_logprob if seq else 0.0,
+                 "stop_reason": seq.stop_reason if seq and seq.finished else None}
                 for index, seq in enumerate(self.members)]
 
 

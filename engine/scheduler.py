@@ -420,7 +420,7 @@ class Scheduler:
             usage = self._finished(seq, reason)
             return RequestOutput(seq.request_id, text_delta=text, token_ids=token_ids or [],
                                  finished=True, finish_reason=reason, usage=usage,
-                                 error=error)
+                                 stop_reason=seq.stop_reason, error=error)
         if group.running:
             return RequestOutput(group.request_id, text_delta=text, token_ids=token_ids or [],
                                  index=seq.index)

@@ -81,3 +81,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """What stopped it, as vLLM reports it: the stop string its text ended at, or the
+        stop token id it sampled; None for EOS, a grammar's end or the token limit."""
+        if self.detokenizer is not None and self.detokenizer.stop_string is not None:
+            return self.detokenizer.stop_string
+        last = self.token_ids[-1] if self.num_output_tokens else None
+        return last if last is not None and last in self.params.stop_token_ids else None

@@ -1,11 +1,13 @@
 """Streaming over a websocket: several requests at once on one socket, each cancellable.
 
 Client → server (JSON text frames):
-  {"type": "request", "id": "<client id>", "endpoint": "chat.completions" | "completions",
+  {"type": "request", "id": "<client id>",
+   "endpoint": "chat.completions" | "completions" | "responses",
    "body": {...same body as the HTTP API...}}
   {"type": "cancel", "id": "<client id>"}
 Server → client:
-  {"type": "chunk", "id": ..., "data": <chunk object as over SSE>}
+  {"type": "chunk", "id": ..., "data": <chunk object as over SSE; for "responses", the
+                                         event object, with its type and sequence_number>}
   {"type": "done", "id": ...}                 after the last chunk
   {"type": "cancelled", "id": ...}            after a cancel took effect
   {"type": "error", "id": ..., "status": 400, "error": {OpenAI error object}}
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -46,11 +49,14 @@ from inference import (
 )
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
+from inference.protocols import responses_request
+from inference.protocols.responses_flow import ResponseCall
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 16
-ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion"}
+ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion",
+                                      "responses": "chat"}
 
 
 class SocketGone(Exception):
@@ -146,13 +152,20 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             body = {**body, "stream": True}  # a socket always streams
         # NOTE: checked before it takes one of the socket's slots (Run.start checks it
         # again): a malformed request must not push a good one out.
-        params.parse(kind, body)
+        if parsed.endpoint == "responses":
+            if responses_request.parse(body).background:
+                raise InvalidRequest("a background response is created over HTTP; read its "
+                                     "events with GET /v1/responses/{id}?stream=true",
+                                     param="background", code="unsupported_parameter")
+        else:
+            params.parse(kind, body)
         if client_id in self.tasks:
             raise InvalidRequest("a request with this id is already running on this socket",
                                  param="id", code="duplicate_id")
         if len(self.admitted) >= MAX_IN_FLIGHT or len(self.tasks) >= 2 * MAX_IN_FLIGHT:
             raise _too_many()
-        task = asyncio.create_task(self._run(client_id, kind, body))
+        task = asyncio.create_task(self._run(client_id, kind, body,
+                                             responses=parsed.endpoint == "responses"))
         self.tasks[client_id] = task
         task.add_done_callback(lambda _t, cid=client_id: self._ended(cid))
 
@@ -167,17 +180,24 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             raise _too_many()
         self.admitted.add(client_id)
 
-    async def _run(self, client_id: str, kind: service.Kind, body: Any) -> None:
+    async def _run(self, client_id: str, kind: service.Kind, body: Any, *,
+                   responses: bool = False) -> None:
         span = telemetry.request_span(self.trace_headers, f"websocket {kind}")
         try:
             principal = await authenticate(self.authorization, span=span)
             # Logged when its run ends, however it ends (inference/pipeline.py).
             async with pipeline.Run(principal, kind, transport="websocket", span=span,
-                                    client_gone=(SocketGone,)) as run:
-                run.body = body
-                await run.start(before_admit=lambda: self._take_place(client_id),
-                                session=self.session)
-                await self._stream(client_id, run)
+                                    client_gone=(SocketGone,),
+                                    endpoint="responses" if responses else None) as run:
+                take_place = lambda: self._take_place(client_id)  # noqa: E731
+                if responses:
+                    call = ResponseCall(principal, body)
+                    await call.start(run, session=self.session, before_admit=take_place)
+                    await self._stream(client_id, call.events(run))
+                else:
+                    run.body = body
+                    await run.start(before_admit=take_place, session=self.session)
+                    await self._stream(client_id, run.stream())
         except ApiError as exc:
             await self._error(client_id, exc)
         except asyncio.CancelledError:
@@ -195,8 +215,10 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self._error(client_id, ApiError("internal error", status=500,
                                                   code="internal_error"))
 
-    async def _stream(self, client_id: str, run: pipeline.Run) -> None:
-        """Relays the request's chunks, then "done".
+    async def _stream(self, client_id: str,
+                      chunks: AsyncIterator[dict[str, Any] | None]) -> None:
+        """Relays the request's chunks (a run's stream, or a protocol's events), then
+        "done".
 
         NOTE: the chunks are closed when the loop ends, however it ends (a cancel lands in
         _send as often as in the stream): the run ends (the engine stopped, its usage
@@ -204,7 +226,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         streams = OPEN_STREAMS.labels("websocket")
         streams.inc()
         try:
-            async with aclosing(run.stream()) as chunks:
+            async with aclosing(chunks):
                 async for chunk in chunks:
                     if chunk is not None:  # None: idle (a websocket needs no keep-alive)
                         await self._send({"type": "chunk", "id": client_id, "data": chunk})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from inference.params import ChatCompletionBody, CompletionBody
+from inference.protocols.responses_request import ResponseBody
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": "#/components/schemas/OpenAIError"}
@@ -28,6 +29,8 @@ _ERRORS = {str(status): {"description": why, "content": {"application/json": {"s
                                (413, "a body too large"), (429, "a rate limit or quota"),
                                (503, "no engine, or Redis out of reach")]}
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
+                "schema": {"type": "string"}}
 
 
 def _json(schema: dict[str, Any], description: str = "") -> dict[str, Any]:
@@ -64,7 +67,7 @@ def _get(operation_id: str, summary: str, *, key: bool = True,
 def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
                         public: bool) -> dict[str, Any]:
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ChatCompletionBody, CompletionBody):
+    for model in (ChatCompletionBody, CompletionBody, ResponseBody):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -74,6 +77,19 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
                                         "ChatCompletionBody"),
         "/v1/completions": _create("completion_create", "Create a completion",
                                    "CompletionBody"),
+        "/v1/responses": _create("response_create", "Create a response (OpenAI's Responses "
+                                 "API)", "ResponseBody"),
+        "/v1/responses/{response_id}": {
+            **_get("response_get", "A stored response", parameters=[_RESPONSE_ID]),
+            "delete": {**_get("response_delete", "Delete a stored response",
+                              parameters=[_RESPONSE_ID])["get"],
+                       "operationId": "response_delete"}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            **_get("response_cancel", "Cancel a background response",
+                   parameters=[_RESPONSE_ID])["get"]}},
+        "/v1/responses/{response_id}/input_items": _get(
+            "response_input_items", "A stored response's input items",
+            parameters=[_RESPONSE_ID]),
         "/v1/models": _get("model_list", "The models and adapters the key may call"),
         "/v1/models/{model}": _get("model_get", "One model or adapter", parameters=[
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),

@@ -70,8 +70,10 @@ class Run:
     """
 
     def __init__(self, principal: Principal, kind: service.Kind, *, transport: str,
-                 span: Any = None, client_gone: tuple[type[BaseException], ...] = ()) -> None:
-        self.trace = Trace(principal, kind, transport=transport, span=span)
+                 span: Any = None, client_gone: tuple[type[BaseException], ...] = (),
+                 endpoint: str | None = None) -> None:
+        self.trace = Trace(principal, kind, transport=transport, span=span,
+                           endpoint=endpoint)
         self.client_gone = client_gone
         self.subscription: Subscription | None = None
         self.admission: quota.Admission | None = None
@@ -115,7 +117,7 @@ class Run:
             # Tokenizing a long prompt is CPU work: keep it off the event loop.
             prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
                 principal=self.trace.principal, kind=self.trace.kind, body=self.body,
-                batch_line=batch_line)
+                batch_line=batch_line, endpoint=self.trace.endpoint)
         except ApiError as exc:
             # The key is known: its refusal says where it stands, as every answer to it does.
             exc.headers = {**limits.headers(), **exc.headers}

@@ -42,9 +42,10 @@ class Trace:
     """One request as the request log will tell it."""
 
     def __init__(self, principal: Principal, kind: str, *, transport: str,
-                 span: Any = None) -> None:
+                 span: Any = None, endpoint: str | None = None) -> None:
         self.principal = principal
-        self.kind = kind
+        self.kind = kind  # the engine request it became: "chat" or "completion"
+        self.endpoint = endpoint or kind  # the API it came in on (a protocol's, or its kind)
         self.transport = transport
         self.span = span  # its trace span (inference/telemetry.py), None while tracing is off
         self.started_at = time.time()
@@ -177,13 +178,13 @@ class Trace:
         else:
             body = self.body if isinstance(self.body, dict) else {}
             # Refused before it was parsed: no id was sent back; one in the same shape.
-            request_id, adapter = completion_id(self.kind), ""
+            request_id, adapter = completion_id(self.endpoint), ""
             model = body.get("model") if isinstance(body.get("model"), str) else ""
             stream = self.transport == "websocket" or body.get("stream") is True
         # The engine's count, as billed; without its final event, what recovery would bill.
         counted = dispatch.counted_usage() if dispatch is not None else {}
         return RequestLogEntry(
-            request_id=request_id, tenant_id=self.principal.tenant_id, endpoint=self.kind,
+            request_id=request_id, tenant_id=self.principal.tenant_id, endpoint=self.endpoint,
             transport=self.transport, model=model, adapter=adapter, stream=stream,
             status=self.status or 500, error_code=self.error_code,
             finish_reason=self.finish_reason, api_key_id=self.principal.api_key_id,

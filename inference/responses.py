@@ -168,8 +168,8 @@ class _ChunkWriter:
 
     def chunk(self, *, text: str | None = None, role: bool = False,
               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-              index: int = 0, tool_calls: list[dict[str, Any]] | None = None
-              ) -> dict[str, Any]:
+              index: int = 0, tool_calls: list[dict[str, Any]] | None = None,
+              stop_reason: str | int | None = None) -> dict[str, Any]:
         if self.prepared.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
@@ -183,6 +183,8 @@ class _ChunkWriter:
         else:
             choice = {"text": text or "", "index": index, "logprobs": logprobs,
                       "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason  # vLLM's extension: what stop ended it
         out = {"id": self.prepared.response_id, "object": self.object,
                "created": self.prepared.created, "model": self.prepared.model_id,
                "system_fingerprint": None, "choices": [choice]}
@@ -196,12 +198,14 @@ class _ChunkWriter:
                 "system_fingerprint": None, "choices": [], "usage": usage}
 
 
-def _final_reasons(data: dict[str, Any]) -> dict[int, tuple[str, float]]:
-    """Each choice's finish reason and cumulative logprob from the final event (one choice:
-    its ``finish_reason``)."""
-    reasons = defaultdict(lambda: (data["finish_reason"], 0.0))
+def _final_reasons(data: dict[str, Any]) -> dict[int, tuple[str, float, str | int | None]]:
+    """Each choice's finish reason, cumulative logprob and stop reason (the stop string or
+    token id that ended it, as vLLM reports it) from the final event (one choice: its
+    ``finish_reason`` and ``stop_reason``)."""
+    reasons = defaultdict(lambda: (data["finish_reason"], 0.0, data.get("stop_reason")))
     for c in data.get("choices") or ():
-        reasons[int(c["index"])] = (c["finish_reason"], float(c.get("cumulative_logprob") or 0))
+        reasons[int(c["index"])] = (c["finish_reason"], float(c.get("cumulative_logprob") or 0),
+                                    c.get("stop_reason"))
     return reasons
 
 
@@ -231,6 +235,7 @@ async def stream_chunks(prepared: Prepared, dispatch: Dispatch
                 for chunk in _chunks(writer, choice, choice.finish(), None):
                     yield chunk
                 yield writer.chunk(finish_reason=choice.finish_reason(reasons[i][0]),
+                                   stop_reason=reasons[i][2],
                                    text="" if prepared.kind == "completion" else None,
                                    index=i)
             if prepared.params.include_usage:
@@ -276,17 +281,17 @@ async def collect(prepared: Prepared, dispatch: Dispatch) -> dict[str, Any]:
     return {"id": prepared.response_id,
             "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created, "model": prepared.model_id, "system_fingerprint": None,
-            "choices": [_choice_object(prepared, choices[i], index, reasons[i][0])
+            "choices": [_choice_object(prepared, choices[i], index, *reasons[i][::2])
                         for index, i in enumerate(kept)],
             "usage": usage_object(final.data.get("usage") or {})}
 
 
-def _choice_object(prepared: Prepared, choice: _Choice, index: int,
-                   engine_reason: str) -> dict[str, Any]:
+def _choice_object(prepared: Prepared, choice: _Choice, index: int, engine_reason: str,
+                   stop_reason: str | int | None) -> dict[str, Any]:
     reason = choice.finish_reason(engine_reason)
     if prepared.kind == "chat":
         return {"index": index, "message": choice.message(), "logprobs": choice.logprobs(),
-                "finish_reason": reason}
+                "finish_reason": reason, "stop_reason": stop_reason}
     echo = prepared.echo[choice.index // prepared.params.best_of] if prepared.echo else ""
     return {"text": echo + choice.text, "index": index,
-            "logprobs": choice.logprobs(), "finish_reason": reason}
+            "logprobs": choice.logprobs(), "finish_reason": reason, "stop_reason": stop_reason}

@@ -53,10 +53,16 @@ Kind = Literal["chat", "completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def completion_id(kind: Kind) -> str:
-    """A new request's one id: the completion's ``id`` (and ``x-request-id``) the client
-    sees, the engine's request id, and the key of its ledger row and request log."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+# Each entry point's ids, as its protocol spells them: the endpoint names a request by
+# the API it came in on (request logs, metrics); its kind is the engine request it became.
+ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_",
+               "messages": "msg_"}
+
+
+def completion_id(endpoint: str) -> str:
+    """A new request's one id: the ``id`` (and ``x-request-id``) the client sees, the
+    engine's request id, and the key of its ledger row and request log."""
+    return ID_PREFIXES[endpoint] + uuid.uuid4().hex
 
 
 @dataclass(slots=True)
@@ -216,9 +222,10 @@ def _check_max_tokens(params: p.GenerationParams, kind: Kind, room: int,
 
 
 def prepare(*, principal: Principal, kind: Kind, body: Any,
-            batch_line: str | None = None) -> Prepared:
+            batch_line: str | None = None, endpoint: str | None = None) -> Prepared:
     """``batch_line``: the request is a batch's line (its ledger key): it runs in the batch
-    priority class."""
+    priority class. ``endpoint``: the API it came in on, when not its kind's own (its id's
+    prefix)."""
     parsed = p.parse(kind, body)
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
@@ -229,7 +236,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
     _check_max_tokens(params, kind, room, principal, model.context_window)
     _check_token_controls(params, model)
     engine_request = protocol.EngineRequest(
-        request_id=completion_id(kind),
+        request_id=completion_id(endpoint or kind),
         model=model.name,
         prompt_token_ids=prompts[0],
         extra_prompts=prompts[1:],

@@ -20,7 +20,7 @@ class SocketRequest(Strict):
 
     type: Literal["request"]
     id: ClientId
-    endpoint: Literal["chat.completions", "completions"]
+    endpoint: Literal["chat.completions", "completions", "responses"]
     body: Any = None
 
 

@@ -25,7 +25,7 @@ def request_ended(trace: Any) -> None:
     model = trace.prepared.model.name if trace.prepared is not None else "none"
     status = str(trace.status or 500)
     tenant = tenant_label(trace.principal.tenant_slug)
-    INFERENCE_REQUESTS.labels(trace.kind, model, trace.transport, status).inc()
+    INFERENCE_REQUESTS.labels(trace.endpoint, model, trace.transport, status).inc()
     TENANT_REQUESTS.labels(tenant, status).inc()
     counted = trace.dispatch.counted_usage() if trace.dispatch is not None else {}
     for kind in ("prompt", "completion"):

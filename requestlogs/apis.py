@@ -28,7 +28,7 @@ class RequestLogSerializer(serializers.Serializer):
     request_id = serializers.SerializerMethodField(
         help_text="the completion's id, as the client got it (also its x-request-id)")
     created_at = serializers.DateTimeField()
-    endpoint = serializers.ChoiceField(choices=["chat", "completion"])
+    endpoint = serializers.ChoiceField(choices=["chat", "completion", "responses", "messages"])
     transport = serializers.ChoiceField(choices=["http", "websocket"])
     model = serializers.CharField()
     adapter = serializers.CharField(help_text="empty: the base model")

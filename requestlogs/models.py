@@ -85,3 +85,32 @@ class RedactionPattern(models.Model):
 
     def __str__(self) -> str:
         return f"[{self.name}] of {self.tenant}"
+
+
+class StoredResponse(models.Model):
+    """A Responses API response kept for the tenant (``store``: retrieved, listed, continued
+    by ``previous_response_id``, deleted); its text redacted before it is written, kept
+    until ``expires_at`` (the tenant's plan sets how long)."""
+
+    response_id = models.CharField(max_length=64, unique=True)  # resp_…, as the client saw it
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE,
+                               related_name="stored_responses")
+    api_key_id = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    status = models.CharField(max_length=16)
+    # Responses before it in its conversation (0: it starts one); bounded (stored_responses).
+    depth = models.PositiveIntegerField(default=0)
+    input_items = models.JSONField(default=list)  # this turn's input, as it was read
+    response = models.JSONField()  # the response object, as GET /v1/responses/{id} answers
+    # The conversation through this response's output, as chat messages: what a request
+    # continuing it with previous_response_id is prefixed with.
+    history = models.JSONField(default=list)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["expires_at"], name="storedresponse_expiry")]
+
+    def __str__(self) -> str:
+        return f"{self.response_id} {self.status}"

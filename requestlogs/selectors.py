@@ -58,7 +58,7 @@ def request_log_list_all(*, filters: RequestLogFilter,
     return _filtered(logs, filters)
 
 
-_PREFIXES = ("chatcmpl-", "cmpl-")
+_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
 
 
 def client_request_id(log: RequestLog) -> str:

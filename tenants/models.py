@@ -58,6 +58,9 @@ class Plan(models.Model):
     max_files = models.PositiveIntegerField(null=True, blank=True)
     max_file_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     max_active_batches = models.PositiveIntegerField(null=True, blank=True)
+    # Days a Responses API response is kept when stored (None: the server's default,
+    # ATRIUM_RESPONSE_RETENTION_DAYS; 0: responses are not stored).
+    response_retention_days = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -24,6 +24,7 @@ from django.urls import get_resolver, path  # noqa: E402
 from core import bodies  # noqa: E402
 from core.errors import ApiError, BodyTooLarge, InvalidRequest  # noqa: E402
 from core.middleware import INFERENCE_PREFIX  # noqa: E402
+from inference.protocols.messages_views import error_body as messages_error_body  # noqa: E402
 
 
 class DjangoHandler(ASGIHandler):
@@ -108,7 +109,7 @@ class BodyLimit:
         if "\x00" in scope.get("path", "") or b"%00" in scope.get("query_string", b""):
             # NOTE: no database takes a NUL in text (PostgreSQL refuses it): an id or a
             # parameter holding one is no one's, refused before any lookup.
-            return await _refuse(send, InvalidRequest(
+            return await _refuse(scope, send, InvalidRequest(
                 "the request's path or query string holds a NUL character",
                 code="invalid_value"))
         allowed = await bodies.allowance(scope)
@@ -121,7 +122,7 @@ class BodyLimit:
         limit = allowed.limit
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return await _refuse(send, BodyTooLarge.over(limit, allowed.hint))
+                return await _refuse(scope, send, BodyTooLarge.over(limit, allowed.hint))
         seen, body_done = 0, False
         deadline = asyncio.get_running_loop().time() + allowed.seconds
 
@@ -146,15 +147,18 @@ class BodyLimit:
         try:
             return await self.app(scope, limited_receive, send)
         except _TooLarge:
-            return await _refuse(send, BodyTooLarge.over(limit, allowed.hint))
+            return await _refuse(scope, send, BodyTooLarge.over(limit, allowed.hint))
         except _TooSlow:
-            return await _refuse(send, ApiError(
+            return await _refuse(scope, send, ApiError(
                 f"the request body did not arrive within {allowed.seconds:g} s", status=408,
                 code="request_timeout"))
 
 
-async def _refuse(send, error: ApiError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _refuse(scope, send, error: ApiError) -> None:
+    # NOTE: answered before any view: in the shape of the API the client speaks.
+    shaped = messages_error_body(error) if scope.get("path", "").startswith(
+        "/v1/messages") else error.body()
+    body = json.dumps(shaped).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()),

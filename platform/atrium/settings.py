@@ -247,6 +247,9 @@ ATRIUM_INVITATION_TTL_S = int(os.environ.get("ATRIUM_INVITATION_TTL_S", str(7 * 
 # otherwise, and the longest a tenant may choose.
 ATRIUM_LOG_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_RETENTION_DAYS", "30"))
 ATRIUM_LOG_MAX_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_MAX_RETENTION_DAYS", "365"))
+# How long a stored Responses API response is kept when the tenant's plan sets no
+# response_retention_days (OpenAI keeps them 30 days).
+ATRIUM_RESPONSE_RETENTION_DAYS = int(os.environ.get("ATRIUM_RESPONSE_RETENTION_DAYS", "30"))
 
 # Billing (docs/billing.md): the one currency prices and invoices are in, how long after
 # its month ends an invoice is finalized (late usage reports still land in it), and

@@ -6,6 +6,8 @@ from rest_framework.permissions import AllowAny
 from adapters import internal as adapter_internal
 from inference import batch_views as batch_api
 from inference import views as inference
+from inference.protocols import messages_views as messages_api
+from inference.protocols import responses_views as responses_api
 from webui import views as webui
 
 _public = {"authentication_classes": [], "permission_classes": [AllowAny]}
@@ -13,6 +15,12 @@ _public = {"authentication_classes": [], "permission_classes": [AllowAny]}
 urlpatterns = [
     path("v1/completions", inference.completions),
     path("v1/chat/completions", inference.chat_completions),
+    path("v1/responses", responses_api.create),
+    path("v1/responses/<str:response_id>", responses_api.detail),
+    path("v1/responses/<str:response_id>/cancel", responses_api.cancel),
+    path("v1/responses/<str:response_id>/input_items", responses_api.input_items),
+    path("v1/messages", messages_api.create),
+    path("v1/messages/count_tokens", messages_api.count_tokens),
     path("v1/models", inference.models),
     path("v1/models/<path:model>", inference.model_detail),
     path("v1/files", batch_api.files),
