@@ -116,6 +116,7 @@ _.widget
 _.default_validators
 
 # Fields of the console's dataclasses that only the templates read (webui/templates).
+_.about
 _.plot_left
 _.x_labels
 _.ttft_p95_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from inference.params import ChatCompletionBody, CompletionBody
+from inference.protocols.messages import CountBody, CreateBody
 from inference.protocols.responses_request import ResponseBody
 
 _REF = "#/components/schemas/{model}"
@@ -67,10 +68,17 @@ def _get(operation_id: str, summary: str, *, key: bool = True,
 def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
                         public: bool) -> dict[str, Any]:
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ChatCompletionBody, CompletionBody, ResponseBody):
+    bodies = {"ChatCompletionBody": ChatCompletionBody, "CompletionBody": CompletionBody,
+              "ResponseBody": ResponseBody, "MessageBody": CreateBody,
+              "MessageCountBody": CountBody}
+    for name, model in bodies.items():
         schema = model.model_json_schema(ref_template=_REF)
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
+        for part, part_schema in schema.pop("$defs", {}).items():
+            # NOTE: one namespace for every body's parts: a name two bodies use differently
+            # would point one body at the other's part.
+            if schemas.setdefault(part, part_schema) != part_schema:
+                raise ValueError(f"two request bodies define {part!r} differently")
+        schemas[name] = schema
     schemas["OpenAIError"] = _ERROR_SCHEMA
     result["paths"].update({
         "/v1/chat/completions": _create("chat_completion_create", "Create a chat completion",
@@ -90,6 +98,10 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
         "/v1/responses/{response_id}/input_items": _get(
             "response_input_items", "A stored response's input items",
             parameters=[_RESPONSE_ID]),
+        "/v1/messages": _create("message_create", "Create a message (Anthropic's Messages "
+                                "API; its error shape)", "MessageBody"),
+        "/v1/messages/count_tokens": _create("message_count_tokens", "Count a message's "
+                                             "input tokens", "MessageCountBody"),
         "/v1/models": _get("model_list", "The models and adapters the key may call"),
         "/v1/models/{model}": _get("model_get", "One model or adapter", parameters=[
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),

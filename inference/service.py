@@ -265,6 +265,16 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                     tools=tools, echo=echo, price=price)
 
 
+def chat_prompt_tokens(*, principal: Principal, body: Any) -> int:
+    """The tokens of a chat body's prompt, rendered as ``prepare`` renders it (template,
+    tools, tool_choice "none"): what a request with it is admitted and billed for. Reads
+    the adapters' table and tokenizes: run it off the event loop."""
+    parsed = p.parse_chat(body)
+    model, _ = resolve_model(parsed.params.model, principal)
+    [prompt] = _prompts(parsed, model, parsed.tools)
+    return len(prompt)
+
+
 def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
     return protocol.SamplingSpec(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,

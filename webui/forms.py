@@ -11,6 +11,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from billing.models import Export
 from tenants.models import QUOTA_FIELDS, Role, Scope
 from tenants.selectors import api_key_list
+from tenants.services.quotas import RETENTION_MAX_DAYS
 
 SCOPE_HELP = {
     Scope.INFERENCE: "call models (/v1)",
@@ -245,6 +246,10 @@ class PlanForm(forms.Form):
     max_file_bytes = _limit("Bytes of files a tenant keeps (empty: the server's default)")
     max_active_batches = _limit("Batches a tenant has running or waiting (empty: the "
                                 "server's default)")
+    response_retention_days = forms.IntegerField(
+        required=False, min_value=0, max_value=RETENTION_MAX_DAYS,
+        label="Days a stored Responses API response is kept (empty: the server's default; "
+              "0: none stored)")
 
 
 class PlanUpdateForm(PlanForm):

@@ -22,10 +22,9 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from core.errors import ApiError
-from inference import params, pipeline, service, telemetry, views
+from inference import pipeline, service, telemetry, views
 from inference.auth import authenticate
 from inference.protocols import edge, messages
-from tenants.facade import Principal
 
 # Anthropic's error types by status; a status not named here reads as its class's.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -175,20 +174,13 @@ async def _events(chunks: AsyncIterator[dict[str, Any] | None],
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     """The prompt's tokens as a create with this body would count them; not billed."""
     principal = await authenticate(_authorization(request))
+    # Not counted against the limits, but a caller at one is refused as a create would be.
+    await service.precheck(principal)
     chat = await _translated(messages.translate_count, views.json_body(request))
     with _our_names():
-        count = await sync_to_async(_prompt_tokens, thread_sensitive=False)(principal, chat)
+        count = await sync_to_async(service.chat_prompt_tokens, thread_sensitive=False)(
+            principal=principal, body=chat)
     return JsonResponse({"input_tokens": count})
-
-
-def _prompt_tokens(principal: Principal, chat: dict[str, Any]) -> int:
-    """Reads the adapters' table and tokenizes: run it off the event loop."""
-    parsed = params.parse_chat(chat)
-    model, _ = service.resolve_model(parsed.params.model, principal)
-    # NOTE: service.prepare's own rendering (template, tools, tool_choice "none"), so the
-    # count is the prompt a create is admitted and billed for.
-    [prompt] = service._prompts(parsed, model, parsed.tools)
-    return len(prompt)
 
 
 # --- the answer ----------------------------------------------------------------------------

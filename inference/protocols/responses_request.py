@@ -33,7 +33,7 @@ PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
                "response_format": "text.format", "tools": "tools", "user": "user"}
 
 
-class StreamOptions(Strict):
+class ResponseStreamOptions(Strict):
     include_obfuscation: Annotated[bool, _only((False,), "obfuscation is not supported: "
                                                "set it to false")] | None = None
 
@@ -81,7 +81,7 @@ class ResponseBody(Strict):
     truncation: Literal["auto", "disabled"] | None = None
     store: bool | None = None
     stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    stream_options: ResponseStreamOptions | None = None
     background: bool | None = None
     previous_response_id: Annotated[str, Field(min_length=1, max_length=RESPONSE_ID_MAX)] \
         | None = None

@@ -18,6 +18,7 @@ from tenants.models import (
     Role,
     Scope,
 )
+from tenants.services.quotas import RETENTION_MAX_DAYS
 
 
 def _limit_field(name: str, **kwargs: Any) -> serializers.IntegerField:
@@ -33,6 +34,13 @@ def storage_field(name: str, **kwargs: Any) -> serializers.IntegerField:
                                                "max_active_batches": "batches it may have "
                                                "running or waiting"}[name]
                                     + " (null: the server's default)", **kwargs)
+
+
+def retention_field(**kwargs: Any) -> serializers.IntegerField:
+    """How long a plan's tenants' stored Responses API responses are kept."""
+    return serializers.IntegerField(min_value=0, max_value=RETENTION_MAX_DAYS, allow_null=True,
+                                    help_text="days a stored Responses API response is kept "
+                                    "(null: the server's default; 0: none stored)", **kwargs)
 
 
 @extend_schema_serializer(component_name="Limits")
@@ -173,6 +181,7 @@ class PlanSerializer(LimitsSerializer):
     max_files = storage_field("max_files")
     max_file_bytes = storage_field("max_file_bytes")
     max_active_batches = storage_field("max_active_batches")
+    response_retention_days = retention_field()
 
 
 @extend_schema_serializer(component_name="AuditEvent")

@@ -16,6 +16,7 @@ from tenants.apis.serializers import (
     TenantSerializer,
     limits_of,
     list_of,
+    retention_field,
     storage_field,
 )
 from tenants.models import QUOTA_FIELDS, Membership, Role
@@ -70,6 +71,7 @@ class PlanCreateApi(Api):
         max_files = storage_field("max_files", required=False)
         max_file_bytes = storage_field("max_file_bytes", required=False)
         max_active_batches = storage_field("max_active_batches", required=False)
+        response_retention_days = retention_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Create a plan (operators)", request=InputSerializer,
                    responses={201: PlanSerializer})
@@ -99,6 +101,7 @@ class PlanUpdateApi(Api):
         max_files = storage_field("max_files", required=False)
         max_file_bytes = storage_field("max_file_bytes", required=False)
         max_active_batches = storage_field("max_active_batches", required=False)
+        response_retention_days = retention_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Change a plan (operators); applies to its tenants "
                    "at once", request=InputSerializer, responses=PlanSerializer)

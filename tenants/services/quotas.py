@@ -37,22 +37,33 @@ def validated_limits(changes: dict[str, Any]) -> dict[str, int | None]:
 
 # A plan must set these; the others may be null (no limit).
 _PLAN_REQUIRED = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+# Days its tenants' stored Responses API responses are kept (null: the server's
+# ATRIUM_RESPONSE_RETENTION_DAYS; 0: none is stored).
+RETENTION_FIELD = "response_retention_days"
+RETENTION_MAX_DAYS = 3650
+# Everything a plan limits: its quotas, what its tenants keep, and for how long.
+PLAN_LIMIT_FIELDS = (*QUOTA_FIELDS, *STORAGE_FIELDS, RETENTION_FIELD)
+
+
+def _in_range(field: str, value: Any, low: int, high: int) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not low <= value <= high):
+        raise InvalidRequest(f"'{field}' must be an integer from {low} to {high:,}, or null",
+                             param=field, code="invalid_value")
 
 
 def validated_plan_limits(limits: dict[str, Any]) -> None:
-    """A plan's quotas and its limits on what tenants keep (STORAGE_FIELDS)."""
+    """A plan's quotas, its limits on what tenants keep (STORAGE_FIELDS) and how long
+    their stored responses are kept (RETENTION_FIELD)."""
     for field in _PLAN_REQUIRED:
         if field in limits and limits[field] is None:
             raise InvalidRequest(f"a plan must set '{field}'", param=field,
                                  code="invalid_value")
     for field in STORAGE_FIELDS:
-        value = limits.get(field)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or not 1 <= value <= STORAGE_MAX[field]):
-            raise InvalidRequest(f"'{field}' must be an integer from 1 to "
-                                 f"{STORAGE_MAX[field]:,}, or null", param=field,
-                                 code="invalid_value")
-    validated_limits({f: v for f, v in limits.items() if f not in STORAGE_FIELDS})
+        _in_range(field, limits.get(field), 1, STORAGE_MAX[field])
+    _in_range(RETENTION_FIELD, limits.get(RETENTION_FIELD), 0, RETENTION_MAX_DAYS)
+    validated_limits({f: v for f, v in limits.items()
+                      if f not in STORAGE_FIELDS and f != RETENTION_FIELD})
 
 
 def _override_snapshot(override: QuotaOverride | None) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from django.utils.text import slugify
 
 from core.errors import Conflict, InvalidRequest
 from tenants.access import SYSTEM, Actor
-from tenants.models import QUOTA_FIELDS, STORAGE_FIELDS, Plan, Tenant
+from tenants.models import Plan, Tenant
 from tenants.services.audit import audit_record
 from tenants.services.key_refresh import tenant_keys_refresh
-from tenants.services.quotas import validated_plan_limits
+from tenants.services.quotas import PLAN_LIMIT_FIELDS, validated_plan_limits
 
 DEFAULT_PLAN: dict[str, Any] = {
     "slug": "default", "name": "Default", "priority": 5,
@@ -27,7 +27,7 @@ class TenantError(InvalidRequest):
 
 def _plan_snapshot(plan: Plan) -> dict[str, Any]:
     return {"slug": plan.slug, "name": plan.name, "priority": plan.priority,
-            **{f: getattr(plan, f) for f in (*QUOTA_FIELDS, *STORAGE_FIELDS)}}
+            **{f: getattr(plan, f) for f in PLAN_LIMIT_FIELDS}}
 
 
 def plan_get_default() -> Plan:
@@ -40,8 +40,8 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
                 requests_per_minute: int, tokens_per_minute: int, max_concurrent_requests: int,
                 max_prompt_tokens: int | None = None, max_output_tokens: int | None = None,
                 monthly_token_cap: int | None = None, max_files: int | None = None,
-                max_file_bytes: int | None = None,
-                max_active_batches: int | None = None) -> Plan:
+                max_file_bytes: int | None = None, max_active_batches: int | None = None,
+                response_retention_days: int | None = None) -> Plan:
     if Plan.objects.filter(slug=slug).exists():
         raise Conflict(f"plan '{slug}' already exists", param="slug")
     validated_plan_limits({
@@ -49,19 +49,21 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
         "max_concurrent_requests": max_concurrent_requests,
         "max_prompt_tokens": max_prompt_tokens, "max_output_tokens": max_output_tokens,
         "monthly_token_cap": monthly_token_cap, "max_files": max_files,
-        "max_file_bytes": max_file_bytes, "max_active_batches": max_active_batches})
+        "max_file_bytes": max_file_bytes, "max_active_batches": max_active_batches,
+        "response_retention_days": response_retention_days})
     plan = Plan.objects.create(
         slug=slug, name=name, priority=priority, requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute, max_concurrent_requests=max_concurrent_requests,
         max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
         monthly_token_cap=monthly_token_cap, max_files=max_files,
-        max_file_bytes=max_file_bytes, max_active_batches=max_active_batches)
+        max_file_bytes=max_file_bytes, max_active_batches=max_active_batches,
+        response_retention_days=response_retention_days)
     audit_record(tenant=None, actor=actor, action="plan.create", target_type="plan",
                  target_id=plan.slug, after=_plan_snapshot(plan))
     return plan
 
 
-_PLAN_FIELDS = ("name", "priority", *QUOTA_FIELDS, *STORAGE_FIELDS)
+_PLAN_FIELDS = ("name", "priority", *PLAN_LIMIT_FIELDS)
 
 
 @transaction.atomic
@@ -72,8 +74,7 @@ def plan_update(*, actor: Actor, plan: Plan, changes: dict[str, Any]) -> Plan:
         if field not in _PLAN_FIELDS:
             raise InvalidRequest(f"'{field}' cannot be changed", param=field,
                                  code="invalid_value")
-    validated_plan_limits({f: v for f, v in changes.items()
-                           if f in QUOTA_FIELDS or f in STORAGE_FIELDS})
+    validated_plan_limits({f: v for f, v in changes.items() if f in PLAN_LIMIT_FIELDS})
     for field, value in changes.items():
         setattr(plan, field, value)
     plan.save()

@@ -7,6 +7,8 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from django import template
 
+from webui import request_logs
+
 register = template.Library()
 
 
@@ -56,11 +58,18 @@ def get(mapping: dict, key: str):
 
 
 @register.filter
-def as_json(value) -> str:
-    """A stored JSON body, indented for reading (autoescaped by the template as text)."""
+def endpoint_label(endpoint: str) -> str:
+    """The API a request came in on, as a tenant knows it: "responses (OpenAI)"."""
+    return request_logs.endpoint_label(endpoint)
+
+
+@register.filter
+def as_body(value) -> str:
+    """A stored JSON body for reading: text as it is, anything else indented (autoescaped
+    by the template as text)."""
     import json
 
-    return json.dumps(value, indent=2, ensure_ascii=False)
+    return value if isinstance(value, str) else json.dumps(value, indent=2, ensure_ascii=False)
 
 
 @register.filter

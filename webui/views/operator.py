@@ -21,7 +21,8 @@ from billing import services as billing_services
 from core.errors import ApiError, InvalidRequest, NotFound
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
-from tenants.models import QUOTA_FIELDS, STORAGE_FIELDS, Role
+from tenants.models import QUOTA_FIELDS, Role
+from tenants.services.quotas import PLAN_LIMIT_FIELDS
 from webui import forms
 from webui import selectors as console
 from webui.health import service_health
@@ -183,6 +184,7 @@ def plans(request: HttpRequest) -> HttpResponse:
     return page(request, "webui/operator/plans.html", {
         "plans": [{"plan": p, "cap": caps.get(p.pk)} for p in tenant_selectors.plan_list()],
         "form": form, "fields": QUOTA_FIELDS, "labels": forms.LIMIT_LABELS,
+        "default_retention": settings.ATRIUM_RESPONSE_RETENTION_DAYS,
     }, section="op-plans")
 
 
@@ -190,7 +192,7 @@ def plans(request: HttpRequest) -> HttpResponse:
 def plan(request: HttpRequest, plan_slug: str) -> HttpResponse:
     found = tenant_selectors.plan_get(slug=plan_slug)
     initial = {"name": found.name, "priority": found.priority,
-               **{f: getattr(found, f) for f in (*QUOTA_FIELDS, *STORAGE_FIELDS)}}
+               **{f: getattr(found, f) for f in PLAN_LIMIT_FIELDS}}
     form = forms.PlanUpdateForm(request.POST or None, initial=initial)
     if request.method == "POST":
         if not form.is_valid():

@@ -32,6 +32,7 @@ from tenants import services as tenant_services
 from tenants.access import TenantAccess
 from webui import charts, forms
 from webui import selectors as console
+from webui.request_logs import transcript
 from webui.views.base import (
     actor_of,
     done,
@@ -325,8 +326,9 @@ def logs(request: HttpRequest, tenant_access: TenantAccess) -> HttpResponse:
 @tenant_view("log.read")
 def log_detail(request: HttpRequest, tenant_access: TenantAccess, request_id: str) -> HttpResponse:
     found = log_selectors.request_log_get(tenant=tenant_access.tenant, request_id=request_id)
-    return page(request, "webui/tenant/log.html", {"log": found}, tenant_access=tenant_access,
-                section="logs")
+    return page(request, "webui/tenant/log.html",
+                {"log": found, "transcript": transcript(found.prompt)},
+                tenant_access=tenant_access, section="logs")
 
 
 @tenant_view("log.manage", methods=("POST",))
