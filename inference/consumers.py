@@ -191,8 +191,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
                                     endpoint="responses" if responses else None) as run:
                 take_place = lambda: self._take_place(client_id)  # noqa: E731
                 if responses:
-                    call = ResponseCall(principal, body)
-                    await call.start(run, session=self.session, before_admit=take_place)
+                    call = ResponseCall(principal)
+                    await call.start(run, body, session=self.session, before_admit=take_place)
                     await self._stream(client_id, call.events(run))
                 else:
                     run.body = body

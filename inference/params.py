@@ -67,7 +67,7 @@ NonEmptyText = Annotated[Text, Field(min_length=1)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
-def _only(allowed: tuple[Any, ...], message: str) -> AfterValidator:
+def only_values(allowed: tuple[Any, ...], message: str) -> AfterValidator:
     """A field OpenAI defines that Atrium does not implement: only its no-op values pass."""
 
     def check(value: Any) -> Any:
@@ -169,7 +169,7 @@ class ResponseFormat(Strict):
                 "type": "missing", "loc": ("json_schema",), "input": None}])
 
 
-def _metadata(value: Any) -> Any:
+def metadata_value(value: Any) -> Any:
     if value is not None and not (
             isinstance(value, dict) and len(value) <= 16
             and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
@@ -228,7 +228,7 @@ class CommonBody(Strict):
     stream_options: StreamOptions | None = None
     user: EndUser | None = None
     store: bool | None = None
-    metadata: Annotated[Any, AfterValidator(_metadata)] = None
+    metadata: Annotated[Any, AfterValidator(metadata_value)] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -255,7 +255,7 @@ class CompletionBody(CommonBody):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    suffix: Annotated[Any, _only((), "suffix needs a fill-in-the-middle model; this model "
+    suffix: Annotated[Any, only_values((), "suffix needs a fill-in-the-middle model; this model "
                                  "has none")] = None
 
     @field_validator("prompt", mode="before")

@@ -117,10 +117,12 @@ class ResponseWriter:
         events.append(self._event(kind, response=self.response()))
         return events
 
-    def failed(self, code: str, message: str) -> list[Event]:
-        """The response ended on an error after it started."""
+    def failed(self, code: str, message: str, param: str | None = None) -> list[Event]:
+        """The response ended on an error after it started: the error, then the response
+        failed with it."""
         self.status, self.error = "failed", {"code": code, "message": message}
-        return [self._event("response.failed", response=self.response())]
+        return [self._event("error", code=code, message=message, param=param),
+                self._event("response.failed", response=self.response())]
 
     def cancelled(self) -> None:
         self.status = "cancelled"

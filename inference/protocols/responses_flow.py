@@ -26,11 +26,12 @@ from django.db import close_old_connections
 
 from core.errors import ApiError, InvalidRequest
 from core.redis import async_client
-from core.served_models import ChatTemplateError, served_models
+from core.served_models import ChatTemplateError
 from inference import pipeline
 from inference.protocols import edge
 from inference.protocols import responses_request as rr
 from inference.protocols.responses_events import ResponseWriter, item_id
+from inference.service import resolve_model
 from requestlogs.facade import (
     MAX_DEPTH,
     NotStored,
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 EVENTS_TTL_S = 3600  # a background response's event log outlives its end by this
 _CANCEL_POLL_S = 0.25
 _READ_POLL_S = 0.05
+LOG_ABSENT_S = 10.0  # a reader waits this long for a log that is not there
 _END = "end"  # the event log's last entry: no client sees it
 
 
@@ -77,9 +79,9 @@ class PreviousNotFound(ApiError):
 
 
 class ResponseCall:
-    def __init__(self, principal: Principal, raw: Any) -> None:
+    def __init__(self, principal: Principal) -> None:
         self.principal = principal
-        self.raw = raw
+        self.raw: Any = None
         self.request: rr.ResponseRequest | None = None
         self.writer: ResponseWriter | None = None
         self.depth = 0
@@ -87,9 +89,10 @@ class ResponseCall:
 
     # --- the way in ----------------------------------------------------------------------------
 
-    async def start(self, run: pipeline.Run, *, session: str | None = None,
+    async def start(self, run: pipeline.Run, body: Any, *, session: str | None = None,
                     before_admit: Callable[[], None] | None = None) -> pipeline.Started:
-        run.body = self.raw
+        """Reads ``body`` and starts the run on the chat body it becomes."""
+        self.raw = run.body = body
         # Reading a conversation and tokenizing to fit it are database and CPU work.
         chat = await in_thread(self._chat_body)
         run.body = chat
@@ -127,8 +130,9 @@ class ResponseCall:
     def _fitted(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``truncation: "auto"``: the oldest turns dropped until the prompt leaves room for
         the answer (at least 16 tokens, or max_output_tokens)."""
-        model = served_models().get(self.request.body.model.split(":")[0])
-        if model is None:
+        try:
+            model, _ = resolve_model(self.request.body.model, self.principal)
+        except ApiError:
             return messages  # the run refuses the model by name
         room = self.request.body.max_output_tokens or 16
         kept = list(messages)
@@ -177,7 +181,7 @@ class ResponseCall:
                             yield event
             final = writer.finished()
         except ApiError as exc:
-            final = writer.failed(exc.code or exc.type, exc.message)
+            final = writer.failed(exc.code or exc.type, exc.message, exc.param)
         except (asyncio.CancelledError, GeneratorExit):
             if self.request.background:
                 writer.cancelled()
@@ -201,7 +205,9 @@ class ResponseCall:
                 api_key_id=self.principal.api_key_id, response=response, input_items=items,
                 history=history, depth=self.depth)
         except NotStored:
-            pass  # the plan stores none: the answer is the client's alone
+            pass  # the tenant's patterns do not compile: the answer is the client's alone
+        except Exception:  # noqa: BLE001 - the answer was made and billed: it is sent
+            log.warning("could not store response %s", response["id"], exc_info=True)
 
 
 # --- background responses ----------------------------------------------------------------------
@@ -252,6 +258,10 @@ async def _cancelled(redis: Any, response_id: str) -> None:
         await asyncio.sleep(_CANCEL_POLL_S)
 
 
+async def events_kept(response_id: str) -> bool:
+    return bool(await async_client().exists(events_key(response_id)))
+
+
 async def request_cancel(response_id: str) -> None:
     await async_client().set(cancel_key(response_id), "1", ex=EVENTS_TTL_S)
 
@@ -265,9 +275,18 @@ async def logged_events(response_id: str, *, starting_after: int
     waits (core/redis.py)."""
     redis, key, last = async_client(), events_key(response_id), "0-0"
     deadline = time.monotonic() + settings.ATRIUM_REQUEST_TIMEOUT_S + EVENTS_TTL_S
+    absent_since: float | None = None
     while time.monotonic() < deadline:
         answer = await redis.xread({key: last}, count=256)
         if not answer:
+            # NOTE: a log that never appears (its web process died before its first event)
+            # or has expired ends the read instead of holding it open to the deadline.
+            if await redis.exists(key):
+                absent_since = None
+            elif absent_since is None:
+                absent_since = time.monotonic()
+            elif time.monotonic() - absent_since > LOG_ABSENT_S:
+                return
             yield None
             await asyncio.sleep(_READ_POLL_S)
             continue

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from inference.errors import InvalidRequest
 from inference.params import (
@@ -21,8 +22,8 @@ from inference.params import (
     NonEmptyText,
     Strict,
     Text,
-    _metadata,
-    _only,
+    metadata_value,
+    only_values,
 )
 from inference.validation import invalid_request, too_deep
 
@@ -34,7 +35,7 @@ PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 
 
 class ResponseStreamOptions(Strict):
-    include_obfuscation: Annotated[bool, _only((False,), "obfuscation is not supported: "
+    include_obfuscation: Annotated[bool, only_values((False,), "obfuscation is not supported: "
                                                "set it to false")] | None = None
 
 
@@ -48,20 +49,27 @@ class Format(Strict):
 
 class TextConfig(Strict):
     format: Format | None = None
-    verbosity: Annotated[Any, _only(("medium",), "verbosity is not supported by this "
+    verbosity: Annotated[Any, only_values(("medium",), "verbosity is not supported by this "
                                     "model")] = None
 
 
 class Reasoning(Strict):
-    effort: Annotated[Any, _only(("none",), "this model does not reason: leave 'reasoning' "
+    effort: Annotated[Any, only_values(("none",), "this model does not reason: leave 'reasoning' "
                                  "out")] = None
-    summary: Annotated[Any, _only((), "this model does not reason: leave 'reasoning' "
+    summary: Annotated[Any, only_values((), "this model does not reason: leave 'reasoning' "
                                   "out")] = None
-    generate_summary: Annotated[Any, _only((), "this model does not reason")] = None
+    generate_summary: Annotated[Any, only_values((), "this model does not reason")] = None
 
 
 def _unsupported(what: str) -> Any:
-    return Annotated[Any, _only((), what)]
+    return Annotated[Any, only_values((), what)]
+
+
+def _none_included(value: list[Any]) -> list[Any]:
+    if value:
+        raise PydanticCustomError("unsupported_parameter",
+                                  "no additional output data can be included")
+    return value
 
 
 class ResponseBody(Strict):
@@ -75,7 +83,7 @@ class ResponseBody(Strict):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    metadata: Annotated[Any, AfterValidator(_metadata)] = None
+    metadata: Annotated[Any, AfterValidator(metadata_value)] = None
     user: EndUser | None = None
     safety_identifier: EndUser | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -86,9 +94,8 @@ class ResponseBody(Strict):
     previous_response_id: Annotated[str, Field(min_length=1, max_length=RESPONSE_ID_MAX)] \
         | None = None
     reasoning: Reasoning | None = None
-    include: Annotated[list[Any], AfterValidator(
-        lambda v: _none_included(v))] | None = None
-    service_tier: Annotated[Any, _only(("auto", "default"), "only 'auto' and 'default' "
+    include: Annotated[list[Any], AfterValidator(_none_included)] | None = None
+    service_tier: Annotated[Any, only_values(("auto", "default"), "only 'auto' and 'default' "
                                        "are served")] = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None  # Atrium's extension
     top_logprobs: _unsupported("logprobs are not served on this API; use chat "  # type: ignore
@@ -100,14 +107,6 @@ class ResponseBody(Strict):
     prompt_cache_key: _unsupported("is not supported yet") = None  # type: ignore
     prompt_cache_retention: _unsupported("is not supported yet") = None  # type: ignore
     context_management: _unsupported("is not supported") = None  # type: ignore
-
-
-def _none_included(value: list[Any]) -> list[Any]:
-    if value:
-        from pydantic_core import PydanticCustomError
-        raise PydanticCustomError("unsupported_parameter",
-                                  "no additional output data can be included")
-    return value
 
 
 _FIELDS = frozenset(ResponseBody.model_fields) | {"schema", "format", "verbosity", "effort",

@@ -23,6 +23,7 @@ from inference.auth import authenticate
 from inference.protocols import edge
 from inference.protocols.responses_flow import (
     ResponseCall,
+    events_kept,
     in_thread,
     logged_events,
     request_cancel,
@@ -44,11 +45,11 @@ class ResponseNotFound(ApiError):
 async def create(request: HttpRequest) -> HttpResponse:
     span = telemetry.request_span(request.headers, f"{request.method} {request.path}")
     principal = await authenticate(request.headers.get("Authorization"), span=span)
-    call = ResponseCall(principal, None)
+    call = ResponseCall(principal)
     async with pipeline.Run(principal, "chat", transport="http", span=span,
                             endpoint="responses") as run:
-        call.raw = json_body(request)
-        started = await call.start(run, session=request.headers.get("x-session-id"))
+        started = await call.start(run, json_body(request),
+                                   session=request.headers.get("x-session-id"))
         try:
             if call.request.background:
                 # Stored before it is answered: a poll right after finds it.
@@ -117,6 +118,9 @@ async def _retrieve(request: HttpRequest, response_id: str) -> HttpResponse:
     if not stored.response.get("background"):
         raise InvalidRequest("only a background response's events can be streamed again",
                              param="stream", code="invalid_value")
+    if stored.status not in _RUNNING and not await events_kept(response_id):
+        raise ResponseNotFound("this response's events are no longer kept (an hour after it "
+                               "ended); retrieve it without 'stream'", param="stream")
     after = request.GET.get("starting_after", "-1")
     if not after.lstrip("-").isdigit() or len(after) > 12:
         raise InvalidRequest("'starting_after' must be an integer", param="starting_after",

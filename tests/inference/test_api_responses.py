@@ -147,7 +147,9 @@ def test_another_tenants_response_is_not_found(client, api_server, served_model,
 
 
 def test_a_background_response_is_polled_and_its_stream_read_after_any_event(
-        client, served_model, engine_worker):
+        client, served_model, engine_worker, redis_client):
+    from inference.protocols.responses_flow import events_key
+
     res = client.responses.create(model=served_model, input="Tell me a long story",
                                   background=True, max_output_tokens=40, temperature=0)
     assert res.status in ("queued", "in_progress") and res.background
@@ -159,6 +161,10 @@ def test_a_background_response_is_polled_and_its_stream_read_after_any_event(
     assert everything[-1].response.output_text == done.output_text
     tail = list(client.responses.retrieve(res.id, stream=True, starting_after=3))
     assert tail == everything[4:]
+    redis_client.delete(events_key(res.id))  # as an hour after its end
+    with pytest.raises(openai.NotFoundError):
+        list(client.responses.retrieve(res.id, stream=True))
+    assert client.responses.retrieve(res.id).output_text == done.output_text
 
 
 def test_a_background_response_is_cancelled_mid_generation(client, served_model,
@@ -336,3 +342,31 @@ def test_a_continued_conversation_hits_the_prefix_cache_and_is_logged_as_respons
     assert [log.endpoint for log in logs] == ["responses", "responses"]
     assert [log.request_id for log in logs] == [first.id, second.id]
     assert logs[1].cached_tokens == second.usage.input_tokens_details.cached_tokens
+
+
+def test_a_deadline_mid_stream_is_an_error_then_a_failed_response(
+        client, served_model, slow_engine, settings):  # noqa: F811
+    settings.ATRIUM_REQUEST_TIMEOUT_S = 1.0
+    events = list(client.responses.create(model=served_model, input="Tell me a story",
+                                          max_output_tokens=400, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" in kinds
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert events[-2].code == "timeout"
+    assert events[-1].response.status == "failed"
+    assert events[-1].response.error.code == "timeout"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_conversation_chains_at_most_max_depth_responses(client, tenant_key, served_model):
+    from requestlogs.facade import MAX_DEPTH, stored_response_save
+
+    deep = {"id": "resp_deep", "object": "response", "created_at": 0, "status": "completed",
+            "model": served_model, "output": []}
+    stored_response_save(tenant_id=tenant_key.tenant_id, api_key_id=None, response=deep,
+                         input_items=[], history=[{"role": "user", "content": "hi"}],
+                         depth=MAX_DEPTH - 1)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=served_model, input="more", max_output_tokens=16,
+                                previous_response_id="resp_deep")
+    assert refused.value.body["param"] == "previous_response_id"
