@@ -126,7 +126,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         except (ValueError, RecursionError):
             message = None
         try:
-            await self._receive(message)
+            await self._receive(message, size=len(text_data or ""))
         except SocketGone:
             return
         except ApiError as refused:
@@ -137,7 +137,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self._error(socket_messages.socket_message_id(message), ApiError(
                 "internal error", status=500, type="server_error", code="internal_error"))
 
-    async def _receive(self, message: Any) -> None:
+    async def _receive(self, message: Any, *, size: int) -> None:
         """Starts or cancels a request; raises ApiError for a message it refuses."""
         parsed = socket_messages.parse_socket_message(message)
         client_id = parsed.id
@@ -164,7 +164,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
                                  param="id", code="duplicate_id")
         if len(self.admitted) >= MAX_IN_FLIGHT or len(self.tasks) >= 2 * MAX_IN_FLIGHT:
             raise _too_many()
-        task = asyncio.create_task(self._run(client_id, kind, body,
+        task = asyncio.create_task(self._run(client_id, kind, body, size=size,
                                              responses=parsed.endpoint == "responses"))
         self.tasks[client_id] = task
         task.add_done_callback(lambda _t, cid=client_id: self._ended(cid))
@@ -180,7 +180,7 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             raise _too_many()
         self.admitted.add(client_id)
 
-    async def _run(self, client_id: str, kind: service.Kind, body: Any, *,
+    async def _run(self, client_id: str, kind: service.Kind, body: Any, *, size: int,
                    responses: bool = False) -> None:
         span = telemetry.request_span(self.trace_headers, f"websocket {kind}")
         try:
@@ -192,7 +192,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
                 take_place = lambda: self._take_place(client_id)  # noqa: E731
                 if responses:
                     call = ResponseCall(principal)
-                    await call.start(run, body, session=self.session, before_admit=take_place)
+                    await call.start(run, body, size=size, session=self.session,
+                                     before_admit=take_place)
                     await self._stream(client_id, call.events(run))
                 else:
                     run.body = body

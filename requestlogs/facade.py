@@ -3,8 +3,8 @@ and the Responses API's stored responses.
 
 The inference API builds a `RequestLogEntry` when a request ends and calls
 `request_log_record_many` off the event loop, in batches (inference/requestlog.py). A
-stored response (`stored_response_save`, `_get`, `_delete`; `retention_days` the
-tenant's plan keeps them, 0: none; `NotStored`; `MAX_DEPTH` responses chained at most) is
+stored response (`stored_responses_write` of `ResponseWrite`s, in batches;
+`stored_response_get`, `_delete`; `NotStored`; `MAX_DEPTH` responses chained at most) is
 redacted like a log's bodies (requestlogs/stored_responses.py).
 """
 
@@ -14,13 +14,13 @@ from requestlogs.services import RequestLogEntry, request_log_record_many
 from requestlogs.stored_responses import (
     MAX_DEPTH,
     NotStored,
+    ResponseWrite,
     StoredResponseInfo,
-    retention_days,
     stored_response_delete,
     stored_response_get,
-    stored_response_save,
+    stored_responses_write,
 )
 
-__all__ = ["MAX_DEPTH", "NotStored", "RequestLogEntry", "StoredResponseInfo",
-           "request_log_record_many", "retention_days", "stored_response_delete",
-           "stored_response_get", "stored_response_save"]
+__all__ = ["MAX_DEPTH", "NotStored", "RequestLogEntry", "ResponseWrite", "StoredResponseInfo",
+           "request_log_record_many", "stored_response_delete", "stored_response_get",
+           "stored_responses_write"]

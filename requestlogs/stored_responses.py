@@ -2,27 +2,26 @@
 
 Every text a stored response holds (its input, its output, its conversation so far) passes
 through the built-in detectors and the tenant's own patterns before it is written, as
-request log bodies do; a tenant whose patterns no longer compile stores nothing (fail
-closed). A response is kept for its tenant's plan's ``response_retention_days`` (the
-server's ATRIUM_RESPONSE_RETENTION_DAYS when the plan sets none; 0: nothing is stored),
-and read as absent once expired, before the beat deletes it.
+request log bodies do (what it continues was redacted when it was stored); a tenant whose
+patterns no longer compile stores nothing (fail closed). A response is kept for the days
+its caller says (the tenant's plan's ``response_retention_days``), and read as absent once
+expired, before the beat deletes it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from redaction import redact
 from redaction.custom import PatternRejected
 from requestlogs import selectors
 from requestlogs.models import StoredResponse
-from tenants.facade import tenant_plan_limit
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +41,69 @@ class StoredResponseInfo:
 
 
 class NotStored(Exception):
-    """The tenant stores no responses: its plan keeps them 0 days, or its redaction
-    patterns no longer compile."""
+    """The tenant's redaction patterns no longer compile: nothing of it is stored."""
 
 
-def retention_days(*, tenant_id: int) -> int:
-    days = tenant_plan_limit(tenant_id=tenant_id, name="response_retention_days")
-    return settings.ATRIUM_RESPONSE_RETENTION_DAYS if days is None else days
+@dataclass(frozen=True, slots=True)
+class ResponseWrite:
+    """One change to a tenant's stored response: its creation (``retention_days`` set,
+    with its ``input_items``) or its rewrite as it changed (a background response running,
+    then ended). Its conversation is ``history_before`` (as the response it continues
+    stored it, redacted already) and then this ``turn``'s messages."""
+
+    tenant_id: int
+    response: dict[str, Any]
+    history_before: list[dict[str, Any]]
+    turn: list[dict[str, Any]]
+    retention_days: int | None = None  # None: the response is stored already
+    api_key_id: int | None = None
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    depth: int = 0
 
 
-def stored_response_save(*, tenant_id: int, api_key_id: int | None, response: dict[str, Any],
-                         input_items: list[dict[str, Any]], history: list[dict[str, Any]],
-                         depth: int) -> None:
-    """Writes (or rewrites: a background response as it changes) the tenant's response,
-    redacted. Raises NotStored."""
-    days = retention_days(tenant_id=tenant_id)
-    if days <= 0:
-        raise NotStored("the tenant's plan stores no responses")
+def stored_responses_write(*, writes: list[ResponseWrite]) -> list[Exception | None]:
+    """Writes each change in order, in one transaction, redacted; what each came to (None:
+    written; NotStored: the tenant's patterns do not compile). Each tenant's patterns are
+    read once."""
+    detectors: dict[int, Any] = {}
+    outcomes: list[Exception | None] = []
+    with transaction.atomic():
+        for write in writes:
+            try:
+                if write.tenant_id not in detectors:
+                    detectors[write.tenant_id] = _detectors(write.tenant_id)
+                _write(write, detectors[write.tenant_id])
+                outcomes.append(None)
+            except NotStored as exc:
+                outcomes.append(exc)
+    return outcomes
+
+
+def _detectors(tenant_id: int) -> Any:
     try:
-        extra = selectors.tenant_detectors(tenant_id=tenant_id)
-    except PatternRejected as exc:
+        return selectors.tenant_detectors(tenant_id=tenant_id)
+    except PatternRejected:
+        return None
+
+
+def _write(write: ResponseWrite, extra: Any) -> None:
+    response_id = write.response["id"]
+    if extra is None:
         log.warning("tenant %s has a redaction pattern that no longer compiles; response "
-                    "%s is not stored", tenant_id, response["id"])
-        raise NotStored("the tenant's redaction patterns do not compile") from exc
-
-    def clean(value: Any) -> Any:
-        return _redacted(value, extra)
-
+                    "%s is not stored", write.tenant_id, response_id)
+        raise NotStored("the tenant's redaction patterns do not compile")
+    response = _redacted(write.response, extra)
+    history = write.history_before + _redacted(write.turn, extra)
+    if write.retention_days is None:
+        (StoredResponse.objects.for_tenant_id(write.tenant_id).filter(response_id=response_id)
+         .update(status=response["status"], response=response, history=history))
+        return
     now = timezone.now()
-    StoredResponse.objects.update_or_create(
-        response_id=response["id"], tenant_id=tenant_id,
-        defaults={"api_key_id": api_key_id, "status": response["status"], "depth": depth,
-                  "response": clean(response), "input_items": clean(input_items),
-                  "history": clean(history)},
-        create_defaults={"api_key_id": api_key_id, "status": response["status"],
-                         "depth": depth, "response": clean(response),
-                         "input_items": clean(input_items), "history": clean(history),
-                         "created_at": now, "expires_at": now + timedelta(days=days)})
+    StoredResponse.objects.create(
+        response_id=response_id, tenant_id=write.tenant_id, api_key_id=write.api_key_id,
+        status=response["status"], depth=write.depth, response=response,
+        input_items=_redacted(write.input_items, extra), history=history, created_at=now,
+        expires_at=now + timedelta(days=write.retention_days))
 
 
 # The fields that hold text a client or the model wrote; ids, names and settings are not.

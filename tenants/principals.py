@@ -45,6 +45,8 @@ class Principal:
     key_limits: Limits = field(default_factory=Limits)
     # The first key of the rotations this key comes from (0: itself); see key_lineage.
     lineage_key_id: int = 0
+    # Days the plan keeps stored Responses API responses (None: the server's default).
+    response_retention_days: int | None = None
 
     @property
     def key_lineage(self) -> int:

@@ -136,6 +136,7 @@ def principal_for_key(key: ApiKey, *, tenant_limits_: Limits | None = None) -> P
         expires_at=key.expires_at.timestamp() if key.expires_at else None,
         rotated=key.replaced_by_id is not None, lineage_key_id=key.lineage_root_id,
         priority=tenant.plan.priority,
+        response_retention_days=tenant.plan.response_retention_days,
         tenant_limits=tenant_limits_ or tenant_limits(tenant=tenant),
         key_limits=key_limits(tenant=tenant, api_key=key))
 

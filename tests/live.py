@@ -64,6 +64,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     from atrium.server import server_options
     from core import redis as core_redis
     from inference import event_hub, requestlog
+    from inference.protocols import response_store
 
     port = free_port()
     server = _ThreadedServer(uvicorn.Config(application, host="127.0.0.1", port=port,
@@ -79,6 +80,7 @@ def api_server(transactional_db, served_model: str, redis_client) -> Iterator[st
     server.should_exit = True
     thread.join(timeout=10)
     requestlog.wait_written(timeout=30)
+    response_store.wait_written(timeout=30)
     core_redis._async_clients.clear()
     event_hub._hubs.clear()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -28,16 +29,15 @@ from core.errors import ApiError, InvalidRequest
 from core.redis import async_client
 from core.served_models import ChatTemplateError
 from inference import pipeline
-from inference.protocols import edge
+from inference.protocols import edge, response_store
 from inference.protocols import responses_request as rr
 from inference.protocols.responses_events import ResponseWriter, item_id
 from inference.service import resolve_model
 from requestlogs.facade import (
     MAX_DEPTH,
     NotStored,
-    retention_days,
+    ResponseWrite,
     stored_response_get,
-    stored_response_save,
 )
 from tenants.facade import Principal
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 EVENTS_TTL_S = 3600  # a background response's event log outlives its end by this
 _CANCEL_POLL_S = 0.25
 _READ_POLL_S = 0.05
+INLINE_BODY_BYTES = 64 * 1024
 LOG_ABSENT_S = 10.0  # a reader waits this long for a log that is not there
 _END = "end"  # the event log's last entry: no client sees it
 
@@ -86,24 +87,44 @@ class ResponseCall:
         self.writer: ResponseWriter | None = None
         self.depth = 0
         self.history: list[dict[str, Any]] = []  # the conversation before this turn
+        self._stored = False
 
     # --- the way in ----------------------------------------------------------------------------
 
-    async def start(self, run: pipeline.Run, body: Any, *, session: str | None = None,
+    async def start(self, run: pipeline.Run, body: Any, *, size: int,
+                    session: str | None = None,
                     before_admit: Callable[[], None] | None = None) -> pipeline.Started:
         """Reads ``body`` and starts the run on the chat body it becomes."""
         self.raw = run.body = body
-        # Reading a conversation and tokenizing to fit it are database and CPU work.
-        chat = await in_thread(self._chat_body)
+        if self._light(body, size):
+            chat = self._chat_body()
+        else:
+            # A conversation to read, a prompt to fit, or a large body: database and CPU
+            # work, off the event loop.
+            chat = await in_thread(self._chat_body)
         run.body = chat
         with edge.renamed_params(rr.PARAM_NAMES):
             started = await run.start(session=session, before_admit=before_admit)
         self.writer = ResponseWriter(started.prepared.response_id, rr.echo_fields(self.request))
         return started
 
+    @property
+    def retention_days(self) -> int:
+        """Days this tenant's responses are kept (0: none)."""
+        days = self.principal.response_retention_days
+        return settings.ATRIUM_RESPONSE_RETENTION_DAYS if days is None else days
+
+    @staticmethod
+    def _light(body: Any, size: int) -> bool:
+        """A body read on the event loop: small, no conversation to read, nothing to fit
+        (reading one costs no more than the JSON parse before it)."""
+        return (size <= INLINE_BODY_BYTES and isinstance(body, dict)
+                and body.get("previous_response_id") is None
+                and body.get("truncation") != "auto")
+
     def _chat_body(self) -> dict[str, Any]:
         self.request = request = rr.parse(self.raw)
-        if request.store and retention_days(tenant_id=self.principal.tenant_id) <= 0:
+        if request.store and self.retention_days <= 0:
             if request.body.store or request.background:
                 raise InvalidRequest("your plan keeps no responses: set 'store' to false",
                                      param="store", code="unsupported_parameter")
@@ -192,18 +213,24 @@ class ResponseCall:
             yield event
 
     async def store(self, response: dict[str, Any]) -> None:
+        """Stores the response as it stands: created the first time, rewritten after (a
+        background response's progress)."""
         if not self.request.store:
             return
-        history = self.history + rr.chat_messages(
-            self.request.items + rr.output_items_as_input(response["output"]))
-        items = [{"id": item.get("id") or item_id("msg" if item["type"] == "message"
-                                                  else "fc"), **item}
-                 for item in self.request.items]
+        turn = rr.chat_messages(self.request.items
+                                + rr.output_items_as_input(response["output"]))
+        change = ResponseWrite(tenant_id=self.principal.tenant_id, response=response,
+                               history_before=self.history, turn=turn)
+        if not self._stored:
+            change = dataclasses.replace(
+                change, retention_days=self.retention_days, depth=self.depth,
+                api_key_id=self.principal.api_key_id,
+                input_items=[{"id": item.get("id") or item_id(
+                    "msg" if item["type"] == "message" else "fc"), **item}
+                    for item in self.request.items])
         try:
-            await in_thread(
-                stored_response_save, tenant_id=self.principal.tenant_id,
-                api_key_id=self.principal.api_key_id, response=response, input_items=items,
-                history=history, depth=self.depth)
+            await response_store.write(change)
+            self._stored = True
         except NotStored:
             pass  # the tenant's patterns do not compile: the answer is the client's alone
         except Exception:  # noqa: BLE001 - the answer was made and billed: it is sent

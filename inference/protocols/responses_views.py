@@ -48,7 +48,7 @@ async def create(request: HttpRequest) -> HttpResponse:
     call = ResponseCall(principal)
     async with pipeline.Run(principal, "chat", transport="http", span=span,
                             endpoint="responses") as run:
-        started = await call.start(run, json_body(request),
+        started = await call.start(run, json_body(request), size=len(request.body),
                                    session=request.headers.get("x-session-id"))
         try:
             if call.request.background:

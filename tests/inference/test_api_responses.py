@@ -278,9 +278,12 @@ def test_a_stored_response_holds_no_secret_and_expires(client, tenant_key, serve
 
 def test_a_plan_that_keeps_no_responses_stores_none_and_refuses_store(
         client, tenant_key, served_model, engine_worker):
+    from tenants.access import SYSTEM
     from tenants.models import Plan
+    from tenants.services import plan_update
 
-    Plan.objects.filter(tenants__pk=tenant_key.tenant_id).update(response_retention_days=0)
+    plan = Plan.objects.get(tenants__pk=tenant_key.tenant_id)
+    plan_update(actor=SYSTEM, plan=plan, changes={"response_retention_days": 0})
     res = client.responses.create(model=served_model, input="hi", max_output_tokens=16)
     assert res.store is False
     with pytest.raises(openai.NotFoundError):
@@ -312,15 +315,16 @@ def test_a_background_response_whose_server_died_reads_as_failed(client, tenant_
                                                                  served_model):
     from django.conf import settings
 
-    from requestlogs.facade import stored_response_save
+    from requestlogs.facade import ResponseWrite, stored_responses_write
 
     started = int(__import__("time").time() - settings.ATRIUM_REQUEST_TIMEOUT_S - 120)
     lost = {"id": "resp_lost", "object": "response", "created_at": started,
             "status": "in_progress", "background": True, "model": served_model,
             "output": [], "error": None, "incomplete_details": None, "tools": [],
             "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {}}
-    stored_response_save(tenant_id=tenant_key.tenant_id, api_key_id=None, response=lost,
-                         input_items=[], history=[], depth=0)
+    stored_responses_write(writes=[ResponseWrite(
+        tenant_id=tenant_key.tenant_id, response=lost, history_before=[], turn=[],
+        retention_days=30)])
     seen = client.responses.retrieve("resp_lost")
     assert seen.status == "failed" and seen.error.code == "server_error"
     assert client.responses.cancel("resp_lost").status == "failed"
@@ -359,13 +363,13 @@ def test_a_deadline_mid_stream_is_an_error_then_a_failed_response(
 
 
 def test_a_conversation_chains_at_most_max_depth_responses(client, tenant_key, served_model):
-    from requestlogs.facade import MAX_DEPTH, stored_response_save
+    from requestlogs.facade import MAX_DEPTH, ResponseWrite, stored_responses_write
 
     deep = {"id": "resp_deep", "object": "response", "created_at": 0, "status": "completed",
             "model": served_model, "output": []}
-    stored_response_save(tenant_id=tenant_key.tenant_id, api_key_id=None, response=deep,
-                         input_items=[], history=[{"role": "user", "content": "hi"}],
-                         depth=MAX_DEPTH - 1)
+    stored_responses_write(writes=[ResponseWrite(
+        tenant_id=tenant_key.tenant_id, response=deep, history_before=[],
+        turn=[{"role": "user", "content": "hi"}], retention_days=30, depth=MAX_DEPTH - 1)])
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=served_model, input="more", max_output_tokens=16,
                                 previous_response_id="resp_deep")
