@@ -112,12 +112,31 @@ def test_stop_token_ids_and_min_tokens(client, served_model, engine_worker):
                                     temperature=0, logit_bias={str(token): 100},
                                     extra_body={"stop_token_ids": [token]})
     assert (res.choices[0].text, res.choices[0].finish_reason) == ("", "stop")
+    assert res.choices[0].stop_reason == token  # vLLM's extension: what stop ended it
     assert res.usage.completion_tokens == 1
     eos = tokenizer.token_to_id(served_models()[served_model].eos_token)
     res = client.completions.create(model=served_model, prompt="Once", max_tokens=10,
                                     temperature=0, logit_bias={str(eos): 100},
                                     extra_body={"min_tokens": 3})
     assert (res.usage.completion_tokens, res.choices[0].finish_reason) == (4, "stop")
+
+
+def test_a_stop_string_is_named_in_stop_reason_answered_and_streamed(client, served_model,
+                                                                   engine_worker):
+    kwargs = dict(model=served_model, max_tokens=12, temperature=0,
+                  messages=[{"role": "user", "content": "Tell me a story"}],
+                  extra_body={"ignore_eos": True})
+    text = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip()
+    cut = client.chat.completions.create(stop=[stop, "never-said"], **kwargs).choices[0]
+    assert cut.message.content == text[:text.index(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    *_, last = (c for c in client.chat.completions.create(stop=[stop], stream=True, **kwargs)
+                if c.choices)
+    assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", stop)
+    ran_out = client.chat.completions.create(**kwargs).choices[0]
+    assert (ran_out.finish_reason, ran_out.stop_reason) == ("length", None)
 
 
 @pytest.mark.parametrize("extra, param", [
