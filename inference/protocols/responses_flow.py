@@ -80,6 +80,10 @@ class PreviousNotFound(ApiError):
 
 
 class ResponseCall:
+    """One create of the Responses API on its run: what it read (``request``), the
+    conversation it continues (``history``, ``depth``), and the response being written
+    (``writer``)."""
+
     def __init__(self, principal: Principal) -> None:
         self.principal = principal
         self.raw: Any = None

@@ -120,7 +120,8 @@ def test_what_is_placed_on_a_draining_engine_goes_to_its_peers_while_it_drains(
         start_worker, redis_client):
     draining = start_worker("engine-a", config=WorkerConfig(idle_block_ms=20, drain_s=60))
     start_worker("engine-b")
-    held = make_request(PROMPT, max_tokens=1900, ignore_eos=True)
+    # Sampled: greedy, n-gram speculation ends it within a heartbeat (test_worker.LONG).
+    held = make_request(PROMPT, max_tokens=1900, ignore_eos=True, temperature=1.0, seed=0)
     _place(redis_client, "engine-a", held)
     read_events(redis_client, held.request_id, until=lambda e: e.type == protocol.EV_DELTA)
     draining.stop.set()  # SIGTERM

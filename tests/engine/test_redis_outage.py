@@ -25,7 +25,7 @@ from tests.redis_server import RedisServer
 from tests.waiting import heartbeat_since
 
 PROMPT = [0, 11, 12, 13, 14]
-LONG = dict(max_tokens=1900, ignore_eos=True)  # runs for seconds unless something stops it
+LONG = dict(max_tokens=1900, ignore_eos=True, temperature=1.0, seed=0)  # see test_worker.LONG
 GRACE = protocol.PUBLISH_GRACE_S
 
 

@@ -16,7 +16,10 @@ from tests.ports import free_port as _free_port
 from tests.waiting import heartbeat_since
 
 PROMPT = [0, 11, 12, 13, 14]
-LONG = dict(max_tokens=1900, ignore_eos=True)  # runs for seconds unless something stops it
+# Runs for seconds unless something stops it: sampled, so that n-gram speculation finds no
+# repeats to draft from (greedy, the tiny model repeats itself and 1,900 tokens took 0.8 s,
+# less than a heartbeat's interval).
+LONG = dict(max_tokens=1900, ignore_eos=True, temperature=1.0, seed=0)
 
 
 def assert_queue_empty(client: redis.Redis, model: str = "tiny") -> None:

@@ -77,6 +77,9 @@ def test_parse_gives_the_pydantic_model_answered_and_streamed(client, served_mod
     assert final.output_parsed == res.output_parsed
 
 
+LONG_ANSWER = {"type": "json_schema", "name": "essay", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["essay"],
+    "properties": {"essay": {"type": "string", "minLength": 2000}}}}
 FORECAST = {"type": "function", "name": "get_forecast", "description": "A city's weather",
             "parameters": {"type": "object", "properties": {"city": {"type": "string",
                                                                       "maxLength": 10}},
@@ -169,8 +172,10 @@ def test_a_background_response_is_polled_and_its_stream_read_after_any_event(
 
 def test_a_background_response_is_cancelled_mid_generation(client, served_model,
                                                            slow_engine):  # noqa: F811
+    # A forced JSON answer: text from the first token on, whatever the sampled tokens.
     res = client.responses.create(model=served_model, input="Tell me a long story",
-                                  background=True, max_output_tokens=200)
+                                  background=True, max_output_tokens=200,
+                                  text={"format": LONG_ANSWER})
     seen = []
     for event in client.responses.retrieve(res.id, stream=True):
         seen.append(event)
