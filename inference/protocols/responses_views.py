@@ -34,6 +34,7 @@ from requestlogs.facade import StoredResponseInfo, stored_response_delete, store
 from tenants.facade import Principal
 
 MAX_LIST = 100
+CANCEL_WAIT_S = 30.0
 
 
 class ResponseNotFound(ApiError):
@@ -161,7 +162,8 @@ async def cancel(request: HttpRequest, response_id: str) -> HttpResponse:
 
 async def _settled(principal: Principal, response_id: str,
                    stored: StoredResponseInfo) -> StoredResponseInfo:
-    deadline = time.monotonic() + 10
+    # The engine stops within a step; a loaded server takes longer to say so.
+    deadline = time.monotonic() + CANCEL_WAIT_S
     while stored.status in _RUNNING and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
         stored = await in_thread(stored_response_get, tenant_id=principal.tenant_id,

@@ -179,8 +179,10 @@ def _burst(fleet: Fleet, key: str, model: str, session: str) -> list[Result]:
                                timeout=120)
         start.wait()
         try:
+            # NOTE: sampled: greedy, the tiny model repeats itself and n-gram speculation
+            # ends each request before an idle engine could take any (tests/engine LONG).
             stream = client.completions.create(
-                model=model, prompt="on and on", max_tokens=200, temperature=0,
+                model=model, prompt="on and on", max_tokens=200, temperature=1.0, seed=0,
                 stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True}, extra_headers={"x-session-id": session})
             for chunk in stream:
