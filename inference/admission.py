@@ -22,6 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -217,6 +218,22 @@ class Admission:
     def headers(self) -> dict[str, str]:
         return {**self.state.headers(),
                 **budget_headers(self.budget_windows, self.principal)}
+
+    def encode(self) -> dict[str, Any]:
+        """What settling it takes, for another process (a resumable request's owner)."""
+        slots = self.budget_slots
+        return {"request_id": self.request_id, "reserved_tokens": self.reserved_tokens,
+                "month": self.month, "end_user": self.end_user,
+                "slots": [slots.keys, slots.fields, slots.user_defaults, slots.resets_ms]}
+
+    @classmethod
+    def decode(cls, data: dict[str, Any], principal: Principal) -> Admission:
+        """The hold ``encode`` described; its rate-limit state (headers) is not kept."""
+        return cls(principal=principal, request_id=data["request_id"],
+                   reserved_tokens=int(data["reserved_tokens"]), month=data["month"],
+                   state=RateLimitState(-1, -1, 0, -1, -1, 0),
+                   budget_slots=budget_counters.Slots(*data["slots"]),
+                   end_user=data.get("end_user"))
 
 
 def _level_keys(principal: Principal, month: str) -> tuple[list[str], list[str]]:

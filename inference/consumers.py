@@ -2,12 +2,19 @@
 
 Client → server (JSON text frames):
   {"type": "request", "id": "<client id>",
-   "endpoint": "chat.completions" | "completions" | "responses",
-   "body": {...same body as the HTTP API...}}
+   "endpoint": "chat.completions" | "completions" | "responses" | "messages",
+   "body": {...same body as the HTTP API...},
+   "resumable": true | <seconds of grace>}      (optional: inference/resumable.py)
   {"type": "cancel", "id": "<client id>"}
+  {"type": "resume", "id": "<client id>", "request_id": "<its id>", "after": <seq>}
 Server → client:
-  {"type": "chunk", "id": ..., "data": <chunk object as over SSE; for "responses", the
-                                         event object, with its type and sequence_number>}
+  {"type": "resumable", "id": ..., "request_id": ..., "stream_url": ...}
+                                              first, for a resumable request
+  {"type": "chunk", "id": ..., "data": <chunk object as over SSE; for "responses" and
+                                         "messages", the event object, with its type>,
+   "seq": <its number, on a resumable request's chunks>}
+  {"type": "moved", "id": ..., "request_id": ..., "after": <seq>}
+                                              this server is stopping: resume elsewhere
   {"type": "done", "id": ...}                 after the last chunk
   {"type": "cancelled", "id": ...}            after a cancel took effect
   {"type": "error", "id": ..., "status": 400, "error": {OpenAI error object}}
@@ -22,6 +29,7 @@ request is admitted against the tenant's and the key's quotas as over HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -43,20 +51,25 @@ from core.websockets import (
 from inference import (
     params,
     pipeline,
+    resumable,
+    resume,
     service,
     socket_messages,
     telemetry,
 )
 from inference.auth import authenticate
 from inference.errors import ApiError, InvalidRequest
-from inference.protocols import responses_request
+from inference.frames import Followed, Frame, Moved, chat_frames, unnumbered
+from inference.protocols import messages_views, responses_request
 from inference.protocols.responses_flow import ResponseCall
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 16
 ENDPOINTS: dict[str, service.Kind] = {"chat.completions": "chat", "completions": "completion",
-                                      "responses": "chat"}
+                                      "responses": "chat", "messages": "chat"}
+# The API each came in on, where it is not its kind's own (request logs, ids).
+PROTOCOLS = {"responses": "responses", "messages": "messages"}
 
 
 class SocketGone(Exception):
@@ -75,6 +88,8 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self.close()  # before accept: the handshake is refused with 403
             return
         self.tasks: dict[str, asyncio.Task] = {}
+        # The resumable requests this socket follows, by client id (a cancel stops them).
+        self.followed: dict[str, resumable.Pump] = {}
         # The requests past their checks, each holding one of the socket's MAX_IN_FLIGHT
         # places; the others in self.tasks are still being checked (at most as many again).
         self.admitted: set[str] = set()
@@ -144,7 +159,17 @@ class InferenceConsumer(AsyncWebsocketConsumer):
         if isinstance(parsed, socket_messages.SocketCancel):
             task = self.tasks.get(client_id)
             if task is not None:
+                if (pump := self.followed.get(client_id)) is not None:
+                    await pump.stop()  # a resumable request: its generation, not only this
                 task.cancel()
+            return
+        if client_id in self.tasks:
+            raise InvalidRequest("a request with this id is already running on this socket",
+                                 param="id", code="duplicate_id")
+        if isinstance(parsed, socket_messages.SocketResume):
+            if len(self.tasks) >= 2 * MAX_IN_FLIGHT:
+                raise _too_many()
+            self._start(client_id, self._resume(client_id, parsed.request_id, parsed.after))
             return
         kind = ENDPOINTS[parsed.endpoint]
         body = parsed.body
@@ -157,21 +182,21 @@ class InferenceConsumer(AsyncWebsocketConsumer):
                 raise InvalidRequest("a background response is created over HTTP; read its "
                                      "events with GET /v1/responses/{id}?stream=true",
                                      param="background", code="unsupported_parameter")
-        else:
+        elif parsed.endpoint != "messages":
             params.parse(kind, body)
-        if client_id in self.tasks:
-            raise InvalidRequest("a request with this id is already running on this socket",
-                                 param="id", code="duplicate_id")
         if len(self.admitted) >= MAX_IN_FLIGHT or len(self.tasks) >= 2 * MAX_IN_FLIGHT:
             raise _too_many()
-        task = asyncio.create_task(self._run(client_id, kind, body, size=size,
-                                             responses=parsed.endpoint == "responses"))
+        self._start(client_id, self._run(client_id, parsed, kind, body, size=size))
+
+    def _start(self, client_id: str, work: Any) -> None:
+        task = asyncio.create_task(work)
         self.tasks[client_id] = task
         task.add_done_callback(lambda _t, cid=client_id: self._ended(cid))
 
     def _ended(self, client_id: str) -> None:
         self.tasks.pop(client_id, None)
         self.admitted.discard(client_id)
+        self.followed.pop(client_id, None)
 
     def _take_place(self, client_id: str) -> None:
         """A checked request takes one of the socket's places (Run.start's
@@ -180,25 +205,63 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             raise _too_many()
         self.admitted.add(client_id)
 
-    async def _run(self, client_id: str, kind: service.Kind, body: Any, *, size: int,
-                   responses: bool = False) -> None:
+    async def _run(self, client_id: str, parsed: socket_messages.SocketRequest,
+                   kind: service.Kind, body: Any, *, size: int) -> None:
         span = telemetry.request_span(self.trace_headers, f"websocket {kind}")
-        try:
+        endpoint = PROTOCOLS.get(parsed.endpoint)
+        async with self._outcome(client_id):
             principal = await authenticate(self.authorization, span=span)
+            asked = parsed.resumable
+            grace = resumable.requested_grace(
+                None if asked is False else "1" if asked is True else str(asked), principal)
             # Logged when its run ends, however it ends (inference/pipeline.py).
             async with pipeline.Run(principal, kind, transport="websocket", span=span,
-                                    client_gone=(SocketGone,),
-                                    endpoint="responses" if responses else None) as run:
+                                    client_gone=(SocketGone,), endpoint=endpoint) as run:
                 take_place = lambda: self._take_place(client_id)  # noqa: E731
-                if responses:
+                record_body = None
+                if endpoint == "responses":
                     call = ResponseCall(principal)
-                    await call.start(run, body, size=size, session=self.session,
-                                     before_admit=take_place)
-                    await self._stream(client_id, call.events(run))
+                    started = await call.start(run, body, size=size, session=self.session,
+                                               before_admit=take_place)
+                    frames, record_body = call.frames(run), call.raw
+                elif endpoint == "messages":
+                    started = await messages_views.start(run, body, session=self.session,
+                                                         before_admit=take_place)
+                    frames = messages_views.message_frames(
+                        run.stream(), messages_views.encoder_for(started.prepared))
                 else:
                     run.body = body
-                    await run.start(before_admit=take_place, session=self.session)
-                    await self._stream(client_id, run.stream())
+                    started = await run.start(before_admit=take_place, session=self.session)
+                    frames = chat_frames(run.stream())
+                if grace is None:
+                    await self._stream(client_id, unnumbered(frames))
+                    return
+                pump = await resume.open_pump(run, started, frames, grace_s=grace,
+                                              body=record_body)
+            await self._follow(client_id, pump, -1, announce=True)
+
+    async def _resume(self, client_id: str, request_id: str, after: int) -> None:
+        """Follows a resumable request again, from this or another web process."""
+        async with self._outcome(client_id):
+            principal = await authenticate(self.authorization)
+            pump = await resume.pump_for(principal.tenant_id, request_id)
+            await resume.check_sent(pump, after)
+            await self._follow(client_id, pump, after)
+
+    async def _follow(self, client_id: str, pump: resumable.Pump, after: int, *,
+                      announce: bool = False) -> None:
+        self.followed[client_id] = pump
+        if announce:
+            await self._send({"type": "resumable", "id": client_id,
+                              "request_id": pump.request_id,
+                              "stream_url": resumable.stream_url(pump.request_id)})
+        await self._stream(client_id, pump.follow(after), request_id=pump.request_id)
+
+    @contextlib.asynccontextmanager
+    async def _outcome(self, client_id: str) -> AsyncIterator[None]:
+        """How a request's task ended, told to the client if it is still there."""
+        try:
+            yield
         except ApiError as exc:
             await self._error(client_id, exc)
         except asyncio.CancelledError:
@@ -216,21 +279,29 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self._error(client_id, ApiError("internal error", status=500,
                                                   code="internal_error"))
 
-    async def _stream(self, client_id: str,
-                      chunks: AsyncIterator[dict[str, Any] | None]) -> None:
-        """Relays the request's chunks (a run's stream, or a protocol's events), then
-        "done".
+    async def _stream(self, client_id: str, items: AsyncIterator[Followed], *,
+                      request_id: str | None = None) -> None:
+        """Relays the request's frames (chunks, a protocol's events, or its error), then
+        "done"; ``request_id``: a resumable request's, whose frames are numbered.
 
-        NOTE: the chunks are closed when the loop ends, however it ends (a cancel lands in
-        _send as often as in the stream): the run ends (the engine stopped, its usage
-        learnt, the request logged) before the client is told "cancelled"."""
+        NOTE: the frames are closed when the loop ends, however it ends (a cancel lands in
+        _send as often as in the stream): a run read here ends (the engine stopped, its
+        usage learnt, the request logged) before the client is told "cancelled"."""
         streams = OPEN_STREAMS.labels("websocket")
         streams.inc()
         try:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    if chunk is not None:  # None: idle (a websocket needs no keep-alive)
-                        await self._send({"type": "chunk", "id": client_id, "data": chunk})
+            async with aclosing(items):
+                async for item in items:
+                    if item is None:  # idle (a websocket needs no keep-alive)
+                        continue
+                    if isinstance(item, Moved):
+                        await self._send({"type": "moved", "id": client_id,
+                                          "request_id": request_id, "after": item.last})
+                        return
+                    seq, frame = item
+                    await self._send(_message(client_id, seq, frame))
+                    if frame.status is not None:
+                        return
         finally:
             streams.dec()
         await self._send({"type": "done", "id": client_id})
@@ -250,3 +321,15 @@ class InferenceConsumer(AsyncWebsocketConsumer):
             await self.send(text_data=json.dumps(message, separators=(",", ":")))
         except OSError as exc:  # the server's "client disconnected": nobody to tell
             raise SocketGone from exc
+
+
+def _message(client_id: str, seq: int | None, frame: Frame) -> dict[str, Any]:
+    """One frame as the socket's message: a chunk, or the error that ends the stream."""
+    if frame.status is not None:
+        message = {"type": "error", "id": client_id, "status": frame.status,
+                   "error": frame.data.get("error")}
+    else:
+        message = {"type": "chunk", "id": client_id, "data": frame.data}
+    if seq is not None:
+        message["seq"] = seq
+    return message

@@ -23,7 +23,7 @@ from inference.errors import (
     NoEngineAvailable,
     ServiceUnavailable,
 )
-from inference.event_hub import Subscription
+from inference.event_hub import Replay, Subscription
 from inference.routing import Placement, router
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Dispatch:
     """One request's trip through Redis: submit, relay events, cancel, learn its usage."""
 
     def __init__(self, redis: aioredis.Redis, request: protocol.EngineRequest,
-                 deadline: float, subscription: Subscription) -> None:
+                 deadline: float, subscription: Subscription | Replay) -> None:
         self.redis = redis
         self.request = request
         # Where the process's one events reader (event_hub.py) puts this request's events;
@@ -118,6 +118,8 @@ class Dispatch:
         # its engine is gone (another engine's recovery takes it over later).
         self._unreachable = False
         self._streamed = False  # a delta was read: a lost engine now fails the request
+        # A resumable request's events are kept this long after its end (None: deleted).
+        self.keep_events_s: int | None = None
 
     @property
     def final_read(self) -> bool:
@@ -242,8 +244,11 @@ class Dispatch:
             self.finished = True
             self.usage = event.data.get("usage") or {}
             self.subscription.close()
-            await self.redis.delete(protocol.events_stream(self.request.model,
-                                                         self.request.request_id))
+            events = protocol.events_stream(self.request.model, self.request.request_id)
+            if self.keep_events_s is None:
+                await self.redis.delete(events)
+            else:
+                await self.redis.expire(events, self.keep_events_s)
 
     def _started(self) -> None:
         """Its engine no longer has it waiting: placement stops counting it as work ahead."""

@@ -282,3 +282,45 @@ def event_hub() -> EventHub:
         hub = EventHub(async_client())
         _hubs[id(loop)] = hub
     return hub
+
+
+class Replay:
+    """A request's events read from its first, by polling: a Subscription's interface for a
+    web process the engine does not tell of its writes (one that resumes a request another
+    process started: inference/resumable.py). Its first read that finds nothing returns at
+    once (the reader has caught up); later ones wait up to their timeout."""
+
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self.stream: bytes | None = None
+        self.last_id = b"0-0"
+        self.closed = False
+        self._caught_up = False
+
+    def attach(self, model: str, request_id: str) -> str:
+        self.stream = protocol.events_stream(model, request_id).encode()
+        return ""  # nobody to notify: this reader polls
+
+    async def read(self, timeout: float) -> list[tuple[bytes, dict]]:
+        give_up = time.monotonic() + timeout
+        while not self.closed:
+            try:
+                reply = await async_client().xread({self.stream: self.last_id},
+                                                   count=READ_COUNT * 4)
+            except redis.RedisError as exc:
+                raise ServiceUnavailable("the connection to the engines was lost (Redis is "
+                                         "unreachable); retry shortly") from exc
+            if reply and reply[0][1]:
+                entries = reply[0][1]
+                self.last_id = entries[-1][0]
+                return entries
+            left = give_up - time.monotonic()
+            if not self._caught_up or left <= 0:
+                self._caught_up = True
+                return []
+            await asyncio.sleep(min(self.POLL_S, left))
+        return []
+
+    def close(self) -> None:
+        self.closed = True

@@ -32,6 +32,10 @@ _ERRORS = {str(status): {"description": why, "content": {"application/json": {"s
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
 _RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
                 "schema": {"type": "string"}}
+_REQUEST_ID = {"name": "request_id", "in": "path", "required": True,
+               "schema": {"type": "string"}}
+_RESUME = [_REQUEST_ID, {"name": "Last-Event-ID", "in": "header", "required": False,
+                         "schema": {"type": "string"}}]
 
 
 def _json(schema: dict[str, Any], description: str = "") -> dict[str, Any]:
@@ -102,6 +106,12 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
                                 "API; its error shape)", "MessageBody"),
         "/v1/messages/count_tokens": _create("message_count_tokens", "Count a message's "
                                              "input tokens", "MessageCountBody"),
+        "/v1/streams/{request_id}": {
+            **_get("stream_resume", "A resumable request's events after Last-Event-ID, then "
+                   "its live tail (Server-Sent Events)", parameters=_RESUME),
+            "delete": {**_get("stream_cancel", "Cancel a resumable request",
+                              parameters=[_REQUEST_ID])["get"],
+                       "operationId": "stream_cancel"}},
         "/v1/models": _get("model_list", "The models and adapters the key may call"),
         "/v1/models/{model}": _get("model_get", "One model or adapter", parameters=[
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),

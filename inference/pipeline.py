@@ -29,14 +29,15 @@ from typing import Any
 
 import redis
 from asgiref.sync import sync_to_async
+from django.conf import settings
 
 from core.errors import ApiError, InvalidRequest
 from core.metrics import ADMISSION_SECONDS
 from core.redis import async_client
 from inference import admission as quota
-from inference import responses, service, telemetry
+from inference import responses, resumable, service, telemetry
 from inference.dispatch import FINAL_WAIT_S, Dispatch
-from inference.event_hub import Subscription, event_hub
+from inference.event_hub import Replay, Subscription, event_hub
 from inference.requestlog import Trace
 from inference.routing import SESSION_MAX
 from tenants.facade import Principal
@@ -75,7 +76,10 @@ class Run:
         self.trace = Trace(principal, kind, transport=transport, span=span,
                            endpoint=endpoint)
         self.client_gone = client_gone
-        self.subscription: Subscription | None = None
+        # Whether its end gives back what it holds and logs it: not for a resumable
+        # request's replay in another web process (inference/resumable.py), until it owns it.
+        self.owning = True
+        self.subscription: Subscription | Replay | None = None
         self.admission: quota.Admission | None = None
         self.dispatch: Dispatch | None = None
         self._streaming = False
@@ -106,6 +110,7 @@ class Run:
         hint for placement (the ``x-session-id`` header of the request, or of the
         websocket's handshake; inference/routing.py); empty is none."""
         began = time.perf_counter()
+        resumable.ensure_ticker()  # this process takes over resumable requests others drop
         if session is not None and len(session) > SESSION_MAX:
             raise InvalidRequest(f"the x-session-id header is longer than {SESSION_MAX} "
                                  "characters", param="x-session-id", code="invalid_value")
@@ -158,6 +163,30 @@ class Run:
         telemetry.phase(self.trace.span, "admission", began)
         return Started(prepared, self.admission, self.dispatch)
 
+    async def replay(self, *, request_id: str, created: int, deadline: float,
+                     admission: quota.Admission | None) -> None:
+        """The run of a resumable request started before, by this or another web process,
+        read again from its first event (inference/resumable.py): it owns the request
+        (gives back ``admission`` and logs it at its end) only when given the hold."""
+        self.trace.prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
+            principal=self.trace.principal, kind=self.trace.kind, body=self.body,
+            endpoint=self.trace.endpoint, again=(request_id, created, deadline))
+        self.subscription = Replay()
+        self.dispatch = Dispatch(async_client(), self.trace.prepared.engine_request,
+                                 deadline=deadline, subscription=self.subscription)
+        self.dispatch.keep_events_s = settings.ATRIUM_RESUME_RETENTION_S
+        self.trace.dispatch = self.dispatch
+        self.admission = admission
+        self.owning = admission is not None
+
+    def own(self, admission: quota.Admission) -> None:
+        """A replay takes the request over: its end now settles ``admission`` and logs."""
+        self.admission, self.owning = admission, True
+
+    def disown(self) -> None:
+        """Another process owns the request now: this run's end only stops reading."""
+        self.owning = False
+
     # --- the way out -----------------------------------------------------------------------
 
     async def collect(self) -> dict[str, Any]:
@@ -208,6 +237,10 @@ class Run:
 
     async def _release(self) -> None:
         dispatch = self.dispatch
+        if not self.owning:
+            if self.subscription is not None:
+                self.subscription.close()
+            return
         try:
             if dispatch is not None and not dispatch.final_read:
                 await dispatch.cancel()

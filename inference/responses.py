@@ -23,7 +23,7 @@ from inference.errors import (
 )
 from inference.logprobs import CompletionLogprobs, TokenTexts, chat_entries, merge_completion
 from inference.service import Prepared
-from inference.tools import Delta, ForcedToolCallStream, ToolCall, parser_for
+from inference.tools import Delta, ForcedToolCallStream, ToolCall, call_ids, parser_for
 
 
 def usage_object(data: dict[str, Any]) -> dict[str, Any]:
@@ -72,13 +72,15 @@ class _ToolCalls:
     """Finds a chat answer's tool calls as its text streams in: the model's own format
     with tool_choice "auto", the forced JSON otherwise (inference/tools)."""
 
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: Prepared, index: int) -> None:
         tools = prepared.tools
         self.parallel = tools.parallel_tool_calls
+        # NOTE: ids made from the request's: a replay of its stream names the same calls.
+        ids = call_ids(f"{prepared.response_id}:{index}")
         if tools.tool_choice == "auto":
-            self.parser = parser_for(prepared.model)()
+            self.parser = parser_for(prepared.model)(ids)
         else:
-            self.parser = ForcedToolCallStream(tools.tools, tools.tool_choice)
+            self.parser = ForcedToolCallStream(tools.tools, tools.tool_choice, ids)
 
     def feed(self, text: str) -> list[Delta]:
         return self._allowed(self.parser.feed(text))
@@ -107,7 +109,7 @@ class _Choice:
         self.texts = _token_texts(prepared.model) if prepared.params.logprobs is not None \
             else None
         self.parts: list[str] = []  # the content the client sees
-        self.tools = _ToolCalls(prepared) if prepared.tools is not None else None
+        self.tools = _ToolCalls(prepared, index) if prepared.tools is not None else None
         self.chat_logprobs: list[dict[str, Any]] = []
         self.completion_logprobs: list[dict[str, Any]] = []
         self._offsets = CompletionLogprobs(self.texts) if self.texts else None

@@ -222,10 +222,12 @@ def _check_max_tokens(params: p.GenerationParams, kind: Kind, room: int,
 
 
 def prepare(*, principal: Principal, kind: Kind, body: Any,
-            batch_line: str | None = None, endpoint: str | None = None) -> Prepared:
+            batch_line: str | None = None, endpoint: str | None = None,
+            again: tuple[str, int, float] | None = None) -> Prepared:
     """``batch_line``: the request is a batch's line (its ledger key): it runs in the batch
     priority class. ``endpoint``: the API it came in on, when not its kind's own (its id's
-    prefix)."""
+    prefix). ``again``: the id, creation time and deadline of a request prepared before
+    (by another web process: a resumable request read again)."""
     parsed = p.parse(kind, body)
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
@@ -235,8 +237,11 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                           "messages" if kind == "chat" else "prompt")
     _check_max_tokens(params, kind, room, principal, model.context_window)
     _check_token_controls(params, model)
+    request_id, created, deadline = again or (
+        completion_id(endpoint or kind), int(time.time()),
+        time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S)
     engine_request = protocol.EngineRequest(
-        request_id=completion_id(endpoint or kind),
+        request_id=request_id,
         model=model.name,
         prompt_token_ids=prompts[0],
         extra_prompts=prompts[1:],
@@ -251,7 +256,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
         priority=principal.priority if batch_line is None else protocol.BATCH_PRIORITY,
         usage_id=batch_line,
         price_class="interactive" if batch_line is None else "batch",
-        deadline=time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S,
+        deadline=deadline,
     )
     echo = []
     if params.echo:
@@ -260,7 +265,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                 for text, ids in zip(parsed.prompts, prompts, strict=True)]
     price = billing.quote(model.name, adapter.display_name if adapter else "",
                           batch=batch_line is not None)
-    return Prepared(kind=kind, created=int(time.time()), model=model, adapter=adapter,
+    return Prepared(kind=kind, created=created, model=model, adapter=adapter,
                     params=params, engine_request=engine_request, principal=principal,
                     tools=tools, echo=echo, price=price)
 

@@ -1,4 +1,5 @@
-"""A websocket's messages: a request (whose body is checked like an HTTP body) or a cancel."""
+"""A websocket's messages: a request (whose body is checked like an HTTP body), a cancel, or
+a resume of a resumable request (inference/resumable.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ _CLIENT_ID = TypeAdapter(ClientId, config=ConfigDict(strict=True))
 
 
 class SocketRequest(Strict):
-    """A websocket's request message; ``body`` is the HTTP body, checked like one."""
+    """A websocket's request message; ``body`` is the HTTP body, checked like one.
+    ``resumable``: true, or seconds of grace (the HTTP header's values)."""
 
     type: Literal["request"]
     id: ClientId
-    endpoint: Literal["chat.completions", "completions", "responses"]
+    endpoint: Literal["chat.completions", "completions", "responses", "messages"]
     body: Any = None
+    resumable: bool | Annotated[int, Field(gt=0)] = False
 
 
 class SocketCancel(Strict):
@@ -29,11 +32,20 @@ class SocketCancel(Strict):
     id: ClientId
 
 
-_SOCKET_MESSAGE = TypeAdapter(Annotated[SocketRequest | SocketCancel,
-                                        Field(discriminator="type")])
+class SocketResume(Strict):
+    """Follow a resumable request again, after its event ``after`` (-1: from the first)."""
+
+    type: Literal["resume"]
+    id: ClientId
+    request_id: Annotated[Text, Field(min_length=1, max_length=MAX_CLIENT_ID)]
+    after: Annotated[int, Field(ge=-1, le=10**9)] = -1
 
 
-def parse_socket_message(message: Any) -> SocketRequest | SocketCancel:
+SocketMessage = SocketRequest | SocketCancel | SocketResume
+_SOCKET_MESSAGE = TypeAdapter(Annotated[SocketMessage, Field(discriminator="type")])
+
+
+def parse_socket_message(message: Any) -> SocketMessage:
     if not isinstance(message, dict):
         raise InvalidRequest("messages must be JSON objects", code="invalid_json")
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import wraps
@@ -17,9 +16,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from core.metrics import OPEN_STREAMS
-from inference import pipeline, service, telemetry
+from inference import pipeline, resumable, resume, service, telemetry
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
+from inference.frames import chat_frames, sse, unnumbered
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -57,27 +57,6 @@ def json_body(request: HttpRequest) -> Any:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: "[[[[…"
         raise InvalidRequest("We could not parse the JSON body of your request. The API "
                              "expects a JSON payload.", code="invalid_json") from exc
-
-
-async def _sse(chunks: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[bytes]:
-    last_sent = time.monotonic()
-    try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                if chunk is None:
-                    # Waiting in the queue or a long prefill: a comment line every so
-                    # often, so proxies that cut idle connections keep this one.
-                    if time.monotonic() - last_sent >= settings.ATRIUM_SSE_KEEPALIVE_S:
-                        last_sent = time.monotonic()
-                        yield b": keep-alive\n\n"
-                    continue
-                last_sent = time.monotonic()
-                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-    except ApiError as exc:
-        # Headers are gone; OpenAI clients raise on a data line carrying "error".
-        yield b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
-        return
-    yield b"data: [DONE]\n\n"
 
 
 class EventStream(StreamingHttpResponse):
@@ -132,23 +111,80 @@ class EventStream(StreamingHttpResponse):
         task.add_done_callback(self._cleanups.discard)
 
 
+async def _nothing() -> None:
+    return None
+
+
+def followed(pump: resumable.Pump, after: int = -1, *, done_line: bool,
+             headers: dict[str, str] | None = None) -> EventStream:
+    """A resumable stream's events after ``after`` for one connection: it only follows
+    them, so its client leaving ends nothing but the following (resumable.py)."""
+    return EventStream(sse(pump.follow(after), done_line=done_line,
+                           resume_url=resumable.stream_url(pump.request_id)),
+                       on_unsent=_nothing,
+                       headers={"x-request-id": pump.request_id, **(headers or {})})
+
+
 async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
     span = telemetry.request_span(request.headers, f"{request.method} {request.path}")
     principal = await authenticate(request.headers.get("Authorization"), span=span)
     # Every authenticated request is logged when its run ends, however it ends.
     async with pipeline.Run(principal, kind, transport="http", span=span) as run:
         run.body = json_body(request)
+        grace = resumable.requested_grace(request.headers.get(resumable.HEADER), principal)
         started = await run.start(session=request.headers.get("x-session-id"))
         try:
             if started.prepared.params.stream:
+                frames = chat_frames(run.stream())
+                if grace is not None:
+                    pump = await resume.open_pump(run, started, frames, grace_s=grace)
+                    return followed(pump, done_line=True, headers=resume.headers(started))
                 # The stream ends the run when it ends, however it ends; a stream never
                 # started is abandoned when Django closes the response.
-                return EventStream(_sse(run.stream()), on_unsent=run.abandon,
-                                   headers=started.headers)
+                return EventStream(sse(unnumbered(frames), done_line=True),
+                                   on_unsent=run.abandon, headers=started.headers)
             return JsonResponse(await run.collect(), headers=started.headers)
         except ApiError as exc:
             exc.headers = {**started.headers, **exc.headers}
             raise
+
+
+async def _replay_chat(run: pipeline.Run, record: resumable.Record,
+                       admission: Any) -> AsyncIterator[Any]:
+    run.body = record.body
+    await resume.replay(run, record, admission)
+    return chat_frames(run.stream())
+
+
+resume.register("chat", _replay_chat)
+resume.register("completion", _replay_chat)
+
+
+async def stream(request: HttpRequest, request_id: str) -> HttpResponse:
+    """``/v1/streams/{id}``, a resumable request's stream: GET reads it again, DELETE
+    cancels the request."""
+    view = _stop if request.method == "DELETE" else _resumed
+    return await view(request, request_id)
+
+
+@api_view("GET")
+async def _resumed(request: HttpRequest, request_id: str) -> HttpResponse:
+    """Its events after ``Last-Event-ID`` (or ``?after=``), then its live tail, in the
+    protocol the request came in on; from any web process, for the tenant that made it."""
+    principal = await authenticate(resume.authorization(request))
+    after = resume.last_event_id(request.headers.get("Last-Event-ID", request.GET.get("after")))
+    pump = await resume.pump_for(principal.tenant_id, request_id)
+    await resume.check_sent(pump, after)
+    return followed(pump, after, done_line=pump.record.endpoint in resume.DONE_LINE)
+
+
+@api_view("DELETE")
+async def _stop(request: HttpRequest, request_id: str) -> HttpResponse:
+    """Cancels the request wherever it runs (it is billed for what it made)."""
+    principal = await authenticate(resume.authorization(request))
+    pump = await resume.pump_for(principal.tenant_id, request_id)
+    await pump.stop()
+    return JsonResponse({"id": request_id, "object": "stream", "cancelled": not pump.done})
 
 
 @api_view("POST")

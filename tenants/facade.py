@@ -84,7 +84,7 @@ def tenant_lock(*, tenant_id: int, no_key: bool = False) -> None:
 
 def tenant_plan_limit(*, tenant_id: int, name: str) -> int | None:
     """The tenant's plan's limit `name` (max_files, max_file_bytes, max_active_batches,
-    response_retention_days); None when its plan sets none."""
+    response_retention_days, resume_grace_s); None when its plan sets none."""
     return Plan.objects.filter(tenants__pk=tenant_id).values_list(name, flat=True).first()
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -38,6 +39,10 @@ class TenantOwnedQuerySet(models.QuerySet):
         return self.filter(tenant_id=tenant_id)
 
 
+# The longest a plan lets a resumable stream outlive its client (Plan.resume_grace_s).
+RESUME_GRACE_MAX_S = 3600
+
+
 class Plan(models.Model):
     """What a tenant bought: default limits and the scheduling priority class."""
 
@@ -61,6 +66,11 @@ class Plan(models.Model):
     # Days a Responses API response is kept when stored (None: the server's default,
     # ATRIUM_RESPONSE_RETENTION_DAYS; 0: responses are not stored).
     response_retention_days = models.PositiveIntegerField(null=True, blank=True)
+    # Seconds a resumable stream keeps generating after its client disconnects, at most: a
+    # request's own grace is capped by it (None: the server's default, ATRIUM_RESUME_GRACE_S;
+    # 0: resumable streams are off).
+    resume_grace_s = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MaxValueValidator(RESUME_GRACE_MAX_S)])
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

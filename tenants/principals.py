@@ -47,6 +47,9 @@ class Principal:
     lineage_key_id: int = 0
     # Days the plan keeps stored Responses API responses (None: the server's default).
     response_retention_days: int | None = None
+    # Seconds the plan lets a resumable stream keep generating after its client disconnects,
+    # at most (None: the server's default; 0: resumable streams are off).
+    resume_grace_s: int | None = None
 
     @property
     def key_lineage(self) -> int:

@@ -137,6 +137,7 @@ def principal_for_key(key: ApiKey, *, tenant_limits_: Limits | None = None) -> P
         rotated=key.replaced_by_id is not None, lineage_key_id=key.lineage_root_id,
         priority=tenant.plan.priority,
         response_retention_days=tenant.plan.response_retention_days,
+        resume_grace_s=tenant.plan.resume_grace_s,
         tenant_limits=tenant_limits_ or tenant_limits(tenant=tenant),
         key_limits=key_limits(tenant=tenant, api_key=key))
 

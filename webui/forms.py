@@ -9,7 +9,7 @@ from django import forms
 from django.core.validators import MaxValueValidator, MinValueValidator
 
 from billing.models import Export
-from tenants.models import QUOTA_FIELDS, Role, Scope
+from tenants.models import QUOTA_FIELDS, RESUME_GRACE_MAX_S, Role, Scope
 from tenants.selectors import api_key_list
 from tenants.services.quotas import RETENTION_MAX_DAYS
 
@@ -250,6 +250,10 @@ class PlanForm(forms.Form):
         required=False, min_value=0, max_value=RETENTION_MAX_DAYS,
         label="Days a stored Responses API response is kept (empty: the server's default; "
               "0: none stored)")
+    resume_grace_s = forms.IntegerField(
+        required=False, min_value=0, max_value=RESUME_GRACE_MAX_S,
+        label="Seconds a resumable stream keeps generating after its client disconnects, at "
+              "most (empty: the server's default; 0: resumable streams off)")
 
 
 class PlanUpdateForm(PlanForm):

@@ -1,16 +1,12 @@
-"""What every protocol shares at the edge: a chat answer read as parts, named SSE events,
-and errors renamed into the protocol's parameter names."""
+"""What every protocol shares at the edge: a chat answer read as parts, and errors renamed
+into the protocol's parameter names (its events are frames: inference/frames.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from django.conf import settings
 
 from core.errors import ApiError
 
@@ -102,31 +98,6 @@ def completion_parts(completion: dict[str, Any]) -> list[Part]:
     parts.append(Finished.of(choice))
     parts.append(Usage.of(completion.get("usage")))
     return parts
-
-
-# --- the wire --------------------------------------------------------------------------------
-
-
-def sse_event(name: str, data: dict[str, Any], *, event_id: int | None = None) -> bytes:
-    """One named server-sent event."""
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return (f"{head}event: {name}\ndata: ".encode()
-            + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def keep_alive(events: AsyncIterator[bytes | None]) -> AsyncIterator[bytes]:
-    """The events, with a comment line in a long silence (None: nothing to send yet), so
-    that proxies which cut idle connections keep this one."""
-    last_sent = time.monotonic()
-    async with contextlib.aclosing(events):
-        async for event in events:
-            if event is None:
-                if time.monotonic() - last_sent >= settings.ATRIUM_SSE_KEEPALIVE_S:
-                    last_sent = time.monotonic()
-                    yield b": keep-alive\n\n"
-                continue
-            last_sent = time.monotonic()
-            yield event
 
 
 @contextlib.contextmanager

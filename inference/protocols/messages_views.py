@@ -22,8 +22,9 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from core.errors import ApiError
-from inference import pipeline, service, telemetry, views
+from inference import pipeline, resumable, resume, service, telemetry, views
 from inference.auth import authenticate
+from inference.frames import Frame, sse, unnumbered
 from inference.protocols import edge, messages
 
 # Anthropic's error types by status; a status not named here reads as its class's.
@@ -130,19 +131,20 @@ async def create(request: HttpRequest) -> HttpResponse:
                             endpoint="messages") as run:
         # NOTE: the body as sent first, so that a translation refused is logged with it.
         run.body = views.json_body(request)
-        run.body = await _translated(messages.translate, run.body)
-        with _our_names():
-            started = await run.start(session=request.headers.get("x-session-id"))
+        grace = resumable.requested_grace(request.headers.get(resumable.HEADER), principal)
+        started = await start(run, run.body, session=request.headers.get("x-session-id"))
         headers = {**started.headers, "request-id": started.prepared.response_id}
-        encoder = MessageEncoder(
-            message_id=started.prepared.response_id, model=started.prepared.model_id,
-            prompt_tokens=len(started.prepared.engine_request.prompt_token_ids))
+        encoder = encoder_for(started.prepared)
         try:
             if started.prepared.params.stream:
+                frames = message_frames(run.stream(), encoder)
+                if grace is not None:
+                    pump = await resume.open_pump(run, started, frames, grace_s=grace)
+                    return views.followed(pump, done_line=False,
+                                          headers={**resume.headers(started), **headers})
                 # The stream ends the run when it ends; one never started is abandoned.
-                return views.EventStream(
-                    edge.keep_alive(_events(run.stream(), encoder)),
-                    on_unsent=run.abandon, headers=headers)
+                return views.EventStream(sse(unnumbered(frames), done_line=False),
+                                         on_unsent=run.abandon, headers=headers)
             for part in edge.completion_parts(await run.collect()):
                 encoder.feed(part)
             return JsonResponse(encoder.message(), headers=headers)
@@ -151,11 +153,24 @@ async def create(request: HttpRequest) -> HttpResponse:
             raise
 
 
-async def _events(chunks: AsyncIterator[dict[str, Any] | None],
-                  encoder: MessageEncoder) -> AsyncIterator[bytes | None]:
+async def start(run: pipeline.Run, body: Any, *, session: str | None = None,
+                before_admit: Callable[[], None] | None = None) -> pipeline.Started:
+    """Starts ``run`` on a Messages API body (over HTTP or the websocket)."""
+    run.body = await _translated(messages.translate, body)
+    with _our_names():
+        return await run.start(session=session, before_admit=before_admit)
+
+
+def encoder_for(prepared: Any) -> MessageEncoder:
+    return MessageEncoder(message_id=prepared.response_id, model=prepared.model_id,
+                          prompt_tokens=len(prepared.engine_request.prompt_token_ids))
+
+
+async def message_frames(chunks: AsyncIterator[dict[str, Any] | None],
+                         encoder: MessageEncoder) -> AsyncIterator[Frame | None]:
     """The run's chat chunks as Anthropic's events (None: nothing to send yet)."""
     for name, data in encoder.start():
-        yield edge.sse_event(name, data)
+        yield Frame(name, data)
     try:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -164,10 +179,20 @@ async def _events(chunks: AsyncIterator[dict[str, Any] | None],
                     continue
                 for part in edge.chunk_parts(chunk):
                     for name, data in encoder.feed(part):
-                        yield edge.sse_event(name, data)
+                        yield Frame(name, data)
     except ApiError as exc:
         # Headers are gone: Anthropic's clients raise on an error event.
-        yield edge.sse_event("error", error_body(exc, encoder.message_id))
+        yield Frame("error", error_body(exc, encoder.message_id), status=exc.status)
+
+
+async def _replay(run: pipeline.Run, record: Any, admission: Any
+                  ) -> AsyncIterator[Frame | None]:
+    run.body = record.body  # the chat body the Messages body became
+    await resume.replay(run, record, admission)
+    return message_frames(run.stream(), encoder_for(run.prepared))
+
+
+resume.register("messages", _replay)
 
 
 @_api_view

@@ -8,6 +8,7 @@ makes (``response.output_item.added``, ``response.output_text.delta``, ...), num
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -63,6 +64,12 @@ class ResponseWriter:
 
     # --- the events ----------------------------------------------------------------------------
 
+    def _item_id(self, prefix: str) -> str:
+        """The next output item's id, made from the response's: a stream replayed by another
+        web process (a resumed one) names its items as the first reading did."""
+        seed = f"{self.id}:{len(self.output)}".encode()
+        return f"{prefix}_{hashlib.sha256(seed).hexdigest()[:32]}"
+
     def _event(self, kind: str, **data: Any) -> Event:
         event = {"type": kind, "sequence_number": self.sequence, **data}
         self.sequence += 1
@@ -83,7 +90,7 @@ class ResponseWriter:
             events = self._close_message()
             index = len(self.output)
             self._open[part.index] = index
-            self.output.append({"id": item_id("fc"), "type": "function_call",
+            self.output.append({"id": self._item_id("fc"), "type": "function_call",
                                 "status": "in_progress", "arguments": "",
                                 "call_id": part.id, "name": part.name})
             events.append(self._event("response.output_item.added", output_index=index,
@@ -131,7 +138,8 @@ class ResponseWriter:
         events: list[Event] = []
         if self._message is None:
             self._message = len(self.output)
-            self.output.append({"id": item_id("msg"), "type": "message", "role": "assistant",
+            self.output.append({"id": self._item_id("msg"), "type": "message",
+                                "role": "assistant",
                                 "status": "in_progress", "content": []})
             item = self.output[self._message]
             events.append(self._event("response.output_item.added",

@@ -28,7 +28,8 @@ from django.db import close_old_connections
 from core.errors import ApiError, InvalidRequest
 from core.redis import async_client
 from core.served_models import ChatTemplateError
-from inference import pipeline
+from inference import pipeline, resume
+from inference.frames import Frame
 from inference.protocols import edge, response_store
 from inference.protocols import responses_request as rr
 from inference.protocols.responses_events import ResponseWriter, item_id
@@ -92,6 +93,7 @@ class ResponseCall:
         self.depth = 0
         self.history: list[dict[str, Any]] = []  # the conversation before this turn
         self._stored = False
+        self._run: pipeline.Run | None = None
 
     # --- the way in ----------------------------------------------------------------------------
 
@@ -109,8 +111,20 @@ class ResponseCall:
         run.body = chat
         with edge.renamed_params(rr.PARAM_NAMES):
             started = await run.start(session=session, before_admit=before_admit)
-        self.writer = ResponseWriter(started.prepared.response_id, rr.echo_fields(self.request))
+        self._write(started.prepared)
         return started
+
+    async def replay(self, run: pipeline.Run, record: Any, admission: Any) -> None:
+        """The run of a resumable response another web process started, read again
+        (inference/resume.py): ``record.body`` is the body it was created with."""
+        self.raw = record.body
+        run.body = await in_thread(self._chat_body)
+        await resume.replay(run, record, admission)
+        self._write(run.prepared)
+
+    def _write(self, prepared: Any) -> None:
+        self.writer = ResponseWriter(prepared.response_id, rr.echo_fields(self.request),
+                                     created_at=prepared.created)
 
     @property
     def retention_days(self) -> int:
@@ -186,7 +200,13 @@ class ResponseCall:
     def events(self, run: pipeline.Run) -> AsyncIterator[dict[str, Any] | None]:
         """The response's events (None: nothing yet). The run is theirs from here
         (Run.stream): it ends when they do."""
+        self._run = run
         return self._events(run.stream())
+
+    def frames(self, run: pipeline.Run) -> AsyncIterator[Frame | None]:
+        """The events as a stream's frames (inference/frames.py). The run is theirs from
+        here, as with ``events``."""
+        return _as_frames(self.events(run))
 
     async def _events(self, stream: AsyncIterator[dict[str, Any] | None]
                       ) -> AsyncIterator[dict[str, Any] | None]:
@@ -219,8 +239,8 @@ class ResponseCall:
     async def store(self, response: dict[str, Any]) -> None:
         """Stores the response as it stands: created the first time, rewritten after (a
         background response's progress)."""
-        if not self.request.store:
-            return
+        if not self.request.store or (self._run is not None and not self._run.owning):
+            return  # NOTE: a replay in another web process stores nothing it does not own
         turn = rr.chat_messages(self.request.items
                                 + rr.output_items_as_input(response["output"]))
         change = ResponseWrite(tenant_id=self.principal.tenant_id, response=response,
@@ -239,6 +259,23 @@ class ResponseCall:
             pass  # the tenant's patterns do not compile: the answer is the client's alone
         except Exception:  # noqa: BLE001 - the answer was made and billed: it is sent
             log.warning("could not store response %s", response["id"], exc_info=True)
+
+
+async def _as_frames(events: AsyncIterator[dict[str, Any] | None]
+                     ) -> AsyncIterator[Frame | None]:
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield None if event is None else Frame(event["type"], event)
+
+
+async def _replay(run: pipeline.Run, record: Any, admission: Any
+                  ) -> AsyncIterator[Frame | None]:
+    call = ResponseCall(record.principal)
+    await call.replay(run, record, admission)
+    return call.frames(run)
+
+
+resume.register("responses", _replay)
 
 
 # --- background responses ----------------------------------------------------------------------

@@ -18,9 +18,9 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from core.errors import ApiError, InvalidRequest
-from inference import pipeline, telemetry
+from inference import pipeline, resumable, resume, telemetry
 from inference.auth import authenticate
-from inference.protocols import edge
+from inference.frames import Followed, Frame, sse, unnumbered
 from inference.protocols.responses_flow import (
     ResponseCall,
     events_kept,
@@ -29,7 +29,7 @@ from inference.protocols.responses_flow import (
     request_cancel,
     run_in_background,
 )
-from inference.views import EventStream, api_view, json_body
+from inference.views import EventStream, api_view, followed, json_body
 from requestlogs.facade import StoredResponseInfo, stored_response_delete, stored_response_get
 from tenants.facade import Principal
 
@@ -49,6 +49,7 @@ async def create(request: HttpRequest) -> HttpResponse:
     call = ResponseCall(principal)
     async with pipeline.Run(principal, "chat", transport="http", span=span,
                             endpoint="responses") as run:
+        grace = resumable.requested_grace(request.headers.get(resumable.HEADER), principal)
         started = await call.start(run, json_body(request), size=len(request.body),
                                    session=request.headers.get("x-session-id"))
         try:
@@ -61,7 +62,11 @@ async def create(request: HttpRequest) -> HttpResponse:
                                    headers=started.headers)
                 return JsonResponse(call.writer.response(), headers=started.headers)
             if call.request.stream:
-                return EventStream(edge.keep_alive(_sse(call.events(run))),
+                if grace is not None:
+                    pump = await resume.open_pump(run, started, call.frames(run),
+                                                  grace_s=grace, body=call.raw)
+                    return followed(pump, done_line=False, headers=resume.headers(started))
+                return EventStream(sse(unnumbered(call.frames(run)), done_line=False),
                                    on_unsent=run.abandon, headers=started.headers)
             return JsonResponse(await call.collect(run), headers=started.headers)
         except ApiError as exc:
@@ -69,16 +74,17 @@ async def create(request: HttpRequest) -> HttpResponse:
             raise
 
 
-async def _sse(events: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[bytes | None]:
+async def _numbered(events: AsyncIterator[dict[str, Any] | None]) -> AsyncIterator[Followed]:
+    """A background response's logged events as a stream's frames, numbered as they are."""
     async for event in events:
-        yield None if event is None else edge.sse_event(event["type"], event)
+        yield None if event is None else (event["sequence_number"], Frame(event["type"], event))
 
 
 def _stream(events: AsyncIterator[dict[str, Any] | None], **kwargs: Any) -> EventStream:
     async def nothing() -> None:
         return None
 
-    return EventStream(edge.keep_alive(_sse(events)), on_unsent=nothing, **kwargs)
+    return EventStream(sse(_numbered(events), done_line=False), on_unsent=nothing, **kwargs)
 
 
 async def _stored(request: HttpRequest, response_id: str

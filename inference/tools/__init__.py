@@ -14,7 +14,7 @@ To add a format, see inference/tools/parsers.py.
 from __future__ import annotations
 
 from core.served_models import ServedModel
-from inference.tools.calls import Delta, ParsedOutput, ToolCall, new_call_id
+from inference.tools.calls import Delta, ParsedOutput, ToolCall, call_ids, new_call_id
 from inference.tools.choice import ForcedToolCallStream, parse_forced, tool_choice_schema
 from inference.tools.parsers import (
     FORMATS,
@@ -34,7 +34,8 @@ from inference.tools.validation import (
 __all__ = [
     "FORMATS", "MAX_TOOLS", "Delta", "ForcedToolCallStream", "HermesToolParser",
     "Llama3JsonToolParser", "ParsedOutput", "ToolCall", "ToolCallParser", "ToolRequest",
-    "check_tool_support", "new_call_id", "parse_forced", "parser_for", "tool_choice_schema",
+    "call_ids", "check_tool_support", "new_call_id", "parse_forced", "parser_for",
+    "tool_choice_schema",
     "tool_request", "validate_tool_choice", "validate_tools",
 ]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +13,21 @@ from typing import Any
 def new_call_id() -> str:
     """OpenAI's shape: "call_" and 24 URL-safe characters (18 random bytes)."""
     return "call_" + secrets.token_urlsafe(18)
+
+
+def call_ids(seed: str) -> Callable[[], str]:
+    """Call ids in new_call_id's shape that are the same each time an answer is read
+    (``seed``: its request and choice): a resumable stream read again by another web process
+    names its calls as the first reading did."""
+    count = 0
+
+    def next_id() -> str:
+        nonlocal count
+        count += 1
+        digest = hashlib.sha256(f"{seed}:{count}".encode()).digest()[:18]
+        return "call_" + base64.urlsafe_b64encode(digest).decode()
+
+    return next_id
 
 
 @dataclass(frozen=True, slots=True)

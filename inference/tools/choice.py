@@ -10,6 +10,7 @@ named function, the arguments object itself; for "required", an array of
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from inference.tools.calls import Delta, ToolCall, fragment, new_call_id, opening
@@ -52,7 +53,8 @@ def tool_choice_schema(tools: list[dict[str, Any]], tool_choice: Any,
     return schema
 
 
-def parse_forced(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:
+def parse_forced(text: str, tools: list[dict[str, Any]], tool_choice: Any,
+                 call_ids: Callable[[], str] = new_call_id) -> list[ToolCall]:
     """The calls in an output written under ``tool_choice_schema``; arguments as compact JSON.
 
     Output that does not parse can only be one cut short by max_tokens. A named function
@@ -66,7 +68,7 @@ def parse_forced(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> li
     name = _named(tool_choice)
     if name is not None:
         arguments = _compact(value) if isinstance(value, dict) else text
-        return [ToolCall(id=new_call_id(), name=name, arguments=arguments)]
+        return [ToolCall(id=call_ids(), name=name, arguments=arguments)]
     if tool_choice != "required":
         raise ValueError(f"tool_choice {tool_choice!r} does not force a call")
     names = {t["function"]["name"] for t in tools}
@@ -74,7 +76,7 @@ def parse_forced(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> li
             isinstance(item, dict) and item.get("name") in names
             and isinstance(item.get("parameters"), dict) for item in value):
         return []
-    return [ToolCall(id=new_call_id(), name=item["name"], arguments=_compact(item["parameters"]))
+    return [ToolCall(id=call_ids(), name=item["name"], arguments=_compact(item["parameters"]))
             for item in value]
 
 
@@ -86,8 +88,9 @@ class ForcedToolCallStream:
     that yields no call (cut short) goes out as content, as malformed calls do elsewhere.
     """
 
-    def __init__(self, tools: list[dict[str, Any]], tool_choice: Any) -> None:
-        self.tools, self.tool_choice = tools, tool_choice
+    def __init__(self, tools: list[dict[str, Any]], tool_choice: Any,
+                 call_ids: Callable[[], str] = new_call_id) -> None:
+        self.tools, self.tool_choice, self.call_ids = tools, tool_choice, call_ids
         self.tool_calls: list[ToolCall] = []
         self.malformed = False
         self._text = ""
@@ -97,7 +100,7 @@ class ForcedToolCallStream:
         return []
 
     def finish(self) -> list[Delta]:
-        self.tool_calls = parse_forced(self._text, self.tools, self.tool_choice)
+        self.tool_calls = parse_forced(self._text, self.tools, self.tool_choice, self.call_ids)
         self.malformed = not self.tool_calls
         if self.malformed:
             return [Delta(content=self._text)] if self._text else []

@@ -19,6 +19,7 @@ already sent stand, ``malformed`` is set, and the rest of the output is dropped.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import ClassVar
 
 from inference.tools.calls import Delta, ParsedOutput, ToolCall, fragment, new_call_id, opening
@@ -40,9 +41,10 @@ class ToolCallParser:
     args_key: ClassVar[str] = "arguments"
     start_state: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, call_ids: Callable[[], str] = new_call_id) -> None:
         self.tool_calls: list[ToolCall] = []  # the calls completed so far
         self.malformed = False
+        self.call_ids = call_ids  # each call's id (calls.call_ids: the same on each reading)
         # NOTE: positions count from the start of the output; _raw keeps only what is still
         # needed (from _base on): unread text, and content a malformed call would send.
         self._raw = ""
@@ -141,7 +143,7 @@ class ToolCallParser:
             self._give_up()
             return False
         self._scanner, self._call_id, self._opened = ObjectScanner(self.args_key), \
-            new_call_id(), False
+            self.call_ids(), False
         self._state, self._after_object = "object", then
         return True
 

@@ -166,7 +166,7 @@ def cmd_web(args: argparse.Namespace) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "atrium.settings")
     refuse_busy_port(args.host, args.port, hint="atrium web --port {port}")
     from atrium.asgi import application
-    from atrium.server import server_options
+    from atrium.server import DrainingServer, server_options
 
     # NOTE: what the process holds once loaded (Django, the apps, the tokenizer) lives as
     # long as it does: frozen, a full collection no longer walks it. Measured with 1,000
@@ -184,9 +184,13 @@ def cmd_web(args: argparse.Namespace) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 10, 10)
-    uvicorn.run(application, host=args.host, port=args.port,
-                log_level="info", log_config=None,  # Django's LOGGING: JSON, redacted
-                **server_options())
+    server = DrainingServer(uvicorn.Config(
+        application, host=args.host, port=args.port,
+        log_level="info", log_config=None,  # Django's LOGGING: JSON, redacted
+        **server_options()))
+    server.run()
+    if not server.started:
+        sys.exit("atrium web: the server did not start")
 
 
 def _model(name: str | None) -> tuple[Path, str]:

@@ -17,8 +17,10 @@ import logging
 import socket
 import struct
 import time
+from types import FrameType
 from typing import Any, ClassVar
 
+import uvicorn
 from django.conf import settings
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -116,6 +118,29 @@ class GuardedH11Protocol(H11Protocol):
         self._headers_done()
         self._stop_stall_timer()
         super().connection_lost(exc)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which first hands its resumable streams to the other web processes
+    when told to stop (SIGTERM, Ctrl-C): their followers are told where to resume and their
+    requests are taken over elsewhere at once (inference/resumable.py), then uvicorn waits
+    for the connections left, as it does."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        from inference import resumable
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and not self.should_exit:
+            draining = loop.create_task(resumable.drain())
+            _draining.add(draining)  # NOTE: held, or the collector may take it mid-way
+            draining.add_done_callback(_draining.discard)
+        super().handle_exit(sig, frame)
+
+
+_draining: set[asyncio.Task] = set()
 
 
 def server_options() -> dict:

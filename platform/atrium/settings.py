@@ -250,6 +250,11 @@ ATRIUM_LOG_MAX_RETENTION_DAYS = int(os.environ.get("ATRIUM_LOG_MAX_RETENTION_DAY
 # How long a stored Responses API response is kept when the tenant's plan sets no
 # response_retention_days (OpenAI keeps them 30 days).
 ATRIUM_RESPONSE_RETENTION_DAYS = int(os.environ.get("ATRIUM_RESPONSE_RETENTION_DAYS", "30"))
+# Resumable streams (docs/api.md): how long a resumable request goes on generating once
+# nobody follows it (a request may ask for more, up to its plan's cap), and how long its
+# events can be read again after it ended.
+ATRIUM_RESUME_GRACE_S = float(os.environ.get("ATRIUM_RESUME_GRACE_S", "30"))
+ATRIUM_RESUME_RETENTION_S = int(os.environ.get("ATRIUM_RESUME_RETENTION_S", "600"))
 
 # Billing (docs/billing.md): the one currency prices and invoices are in, how long after
 # its month ends an invoice is finalized (late usage reports still land in it), and

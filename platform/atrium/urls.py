@@ -21,6 +21,7 @@ urlpatterns = [
     path("v1/responses/<str:response_id>/input_items", responses_api.input_items),
     path("v1/messages", messages_api.create),
     path("v1/messages/count_tokens", messages_api.count_tokens),
+    path("v1/streams/<str:request_id>", inference.stream),
     path("v1/models", inference.models),
     path("v1/models/<path:model>", inference.model_detail),
     path("v1/files", batch_api.files),

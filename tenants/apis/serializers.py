@@ -12,6 +12,7 @@ from tenants.apis.base import StrictSerializer
 from tenants.models import (
     QUOTA_FIELDS,
     QUOTA_MAX,
+    RESUME_GRACE_MAX_S,
     STORAGE_MAX,
     ApiKey,
     Invitation,
@@ -41,6 +42,15 @@ def retention_field(**kwargs: Any) -> serializers.IntegerField:
     return serializers.IntegerField(min_value=0, max_value=RETENTION_MAX_DAYS, allow_null=True,
                                     help_text="days a stored Responses API response is kept "
                                     "(null: the server's default; 0: none stored)", **kwargs)
+
+
+def resume_grace_field(**kwargs: Any) -> serializers.IntegerField:
+    """How long a plan's tenants' resumable streams outlive their clients, at most."""
+    return serializers.IntegerField(min_value=0, max_value=RESUME_GRACE_MAX_S, allow_null=True,
+                                    help_text="seconds a resumable stream keeps generating "
+                                    "after its client disconnects, at most; a request's own "
+                                    "grace is capped by it (null: the server's default; 0: "
+                                    "resumable streams are off)", **kwargs)
 
 
 @extend_schema_serializer(component_name="Limits")
@@ -182,6 +192,7 @@ class PlanSerializer(LimitsSerializer):
     max_file_bytes = storage_field("max_file_bytes")
     max_active_batches = storage_field("max_active_batches")
     response_retention_days = retention_field()
+    resume_grace_s = resume_grace_field()
 
 
 @extend_schema_serializer(component_name="AuditEvent")

@@ -16,6 +16,7 @@ from tenants.apis.serializers import (
     TenantSerializer,
     limits_of,
     list_of,
+    resume_grace_field,
     retention_field,
     storage_field,
 )
@@ -72,6 +73,7 @@ class PlanCreateApi(Api):
         max_file_bytes = storage_field("max_file_bytes", required=False)
         max_active_batches = storage_field("max_active_batches", required=False)
         response_retention_days = retention_field(required=False)
+        resume_grace_s = resume_grace_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Create a plan (operators)", request=InputSerializer,
                    responses={201: PlanSerializer})
@@ -102,6 +104,7 @@ class PlanUpdateApi(Api):
         max_file_bytes = storage_field("max_file_bytes", required=False)
         max_active_batches = storage_field("max_active_batches", required=False)
         response_retention_days = retention_field(required=False)
+        resume_grace_s = resume_grace_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Change a plan (operators); applies to its tenants "
                    "at once", request=InputSerializer, responses=PlanSerializer)

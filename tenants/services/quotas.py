@@ -13,6 +13,7 @@ from tenants.access import Actor
 from tenants.models import (
     QUOTA_FIELDS,
     QUOTA_MAX,
+    RESUME_GRACE_MAX_S,
     STORAGE_FIELDS,
     STORAGE_MAX,
     QuotaOverride,
@@ -41,8 +42,14 @@ _PLAN_REQUIRED = ("requests_per_minute", "tokens_per_minute", "max_concurrent_re
 # ATRIUM_RESPONSE_RETENTION_DAYS; 0: none is stored).
 RETENTION_FIELD = "response_retention_days"
 RETENTION_MAX_DAYS = 3650
-# Everything a plan limits: its quotas, what its tenants keep, and for how long.
-PLAN_LIMIT_FIELDS = (*QUOTA_FIELDS, *STORAGE_FIELDS, RETENTION_FIELD)
+# Seconds a resumable stream of its tenants keeps generating after its client disconnects,
+# at most (null: the server's ATRIUM_RESUME_GRACE_S; 0: resumable streams are off).
+RESUME_GRACE_FIELD = "resume_grace_s"
+# Everything a plan limits: its quotas, what its tenants keep, for how long, and how long a
+# stream outlives its client.
+PLAN_LIMIT_FIELDS = (*QUOTA_FIELDS, *STORAGE_FIELDS, RETENTION_FIELD, RESUME_GRACE_FIELD)
+# The plan's limits that are not quotas: checked here, never overridden by a tenant or key.
+_PLAN_ONLY_FIELDS = (*STORAGE_FIELDS, RETENTION_FIELD, RESUME_GRACE_FIELD)
 
 
 def _in_range(field: str, value: Any, low: int, high: int) -> None:
@@ -53,8 +60,9 @@ def _in_range(field: str, value: Any, low: int, high: int) -> None:
 
 
 def validated_plan_limits(limits: dict[str, Any]) -> None:
-    """A plan's quotas, its limits on what tenants keep (STORAGE_FIELDS) and how long
-    their stored responses are kept (RETENTION_FIELD)."""
+    """A plan's quotas, its limits on what tenants keep (STORAGE_FIELDS), how long their
+    stored responses are kept (RETENTION_FIELD) and how long a resumable stream outlives its
+    client (RESUME_GRACE_FIELD)."""
     for field in _PLAN_REQUIRED:
         if field in limits and limits[field] is None:
             raise InvalidRequest(f"a plan must set '{field}'", param=field,
@@ -62,8 +70,8 @@ def validated_plan_limits(limits: dict[str, Any]) -> None:
     for field in STORAGE_FIELDS:
         _in_range(field, limits.get(field), 1, STORAGE_MAX[field])
     _in_range(RETENTION_FIELD, limits.get(RETENTION_FIELD), 0, RETENTION_MAX_DAYS)
-    validated_limits({f: v for f, v in limits.items()
-                      if f not in STORAGE_FIELDS and f != RETENTION_FIELD})
+    _in_range(RESUME_GRACE_FIELD, limits.get(RESUME_GRACE_FIELD), 0, RESUME_GRACE_MAX_S)
+    validated_limits({f: v for f, v in limits.items() if f not in _PLAN_ONLY_FIELDS})
 
 
 def _override_snapshot(override: QuotaOverride | None) -> dict[str, Any]:

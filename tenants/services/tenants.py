@@ -41,7 +41,8 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
                 max_prompt_tokens: int | None = None, max_output_tokens: int | None = None,
                 monthly_token_cap: int | None = None, max_files: int | None = None,
                 max_file_bytes: int | None = None, max_active_batches: int | None = None,
-                response_retention_days: int | None = None) -> Plan:
+                response_retention_days: int | None = None,
+                resume_grace_s: int | None = None) -> Plan:
     if Plan.objects.filter(slug=slug).exists():
         raise Conflict(f"plan '{slug}' already exists", param="slug")
     validated_plan_limits({
@@ -50,14 +51,14 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
         "max_prompt_tokens": max_prompt_tokens, "max_output_tokens": max_output_tokens,
         "monthly_token_cap": monthly_token_cap, "max_files": max_files,
         "max_file_bytes": max_file_bytes, "max_active_batches": max_active_batches,
-        "response_retention_days": response_retention_days})
+        "response_retention_days": response_retention_days, "resume_grace_s": resume_grace_s})
     plan = Plan.objects.create(
         slug=slug, name=name, priority=priority, requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute, max_concurrent_requests=max_concurrent_requests,
         max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
         monthly_token_cap=monthly_token_cap, max_files=max_files,
         max_file_bytes=max_file_bytes, max_active_batches=max_active_batches,
-        response_retention_days=response_retention_days)
+        response_retention_days=response_retention_days, resume_grace_s=resume_grace_s)
     audit_record(tenant=None, actor=actor, action="plan.create", target_type="plan",
                  target_id=plan.slug, after=_plan_snapshot(plan))
     return plan

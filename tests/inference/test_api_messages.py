@@ -13,8 +13,6 @@ import pytest
 from openai import OpenAI
 
 from tests.factories import key_factory, plan_factory, tenant_factory
-from tests.inference.slow_engine import slow_factory
-from tests.live import start_engine
 from tests.requestlogs.conftest import wait_for_logs
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
@@ -34,16 +32,6 @@ def claude(api_server: str, key: str, **kwargs) -> anthropic.Anthropic:
 @pytest.fixture
 def client(api_server, tenant_key) -> anthropic.Anthropic:
     return claude(api_server, tenant_key.key)
-
-
-@pytest.fixture
-def slow_engine(served_model, tiny_model_path, redis_client):
-    """An engine that ignores EOS and takes 30 ms a step: a stream that lasts."""
-    running = start_engine(tiny_model_path, served_model, "slow-engine",
-                           engine_factory=slow_factory(0.03))
-    yield running
-    running.stop.set()
-    running.thread.join(timeout=30)
 
 
 def text_of(message) -> str:
