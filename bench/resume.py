@@ -125,10 +125,16 @@ async def read(response: httpx.Response, out: Stream, *, cut_after: int | None) 
     return first
 
 
-async def one(client: httpx.AsyncClient, key: str, out: Stream, max_tokens: int) -> None:
+def _limits(args: argparse.Namespace) -> dict:
+    """The answers' length: max_tokens, and ignore_eos when asked (the demo model's answers
+    otherwise stop at EOS after about 20 tokens)."""
+    return {"max_tokens": args.max_tokens, **({"ignore_eos": True} if args.ignore_eos else {})}
+
+
+async def one(client: httpx.AsyncClient, key: str, out: Stream, limits: dict) -> None:
     auth = {"Authorization": f"Bearer {key}"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": out.text}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            **limits, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     try:
@@ -170,12 +176,12 @@ def gaps_and_repeats(stream: Stream) -> tuple[int, int]:
 # --- blocks and the run -----------------------------------------------------------------------
 
 async def block(client: httpx.AsyncClient, key: str, streams: list[Stream], *,
-                concurrency: int, max_tokens: int) -> None:
+                concurrency: int, limits: dict) -> None:
     todo = iter(streams)
 
     async def worker() -> None:
         for stream in todo:
-            await one(client, key, stream, max_tokens)
+            await one(client, key, stream, limits)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -212,13 +218,13 @@ async def measure(base: str, key: str, pids: dict[str, int],
         # Warm (the key cache, pools, the engine's prefix cache), and the uncut answers.
         warm = [Stream(TEXTS[i % len(TEXTS)], None) for i in range(2 * len(TEXTS))]
         await block(client, key, warm, concurrency=args.concurrency,
-                    max_tokens=args.max_tokens)
+                    limits=_limits(args))
         if failed := [s.failure for s in warm if s.failure]:
             raise SystemExit(f"the warm-up failed: {failed[:3]}")
         reference = {s.text: "".join(s.pieces) for s in warm}
         events = {s.text: len(s.ids) for s in warm}
         await block(client, key, plan("cut", 0, 2 * args.concurrency, events, rng),
-                    concurrency=args.concurrency, max_tokens=args.max_tokens)
+                    concurrency=args.concurrency, limits=_limits(args))
         redis_client = redis.Redis.from_url(args.redis_url)
         used0, keys0 = redis_client.info("memory")["used_memory"], redis_client.dbsize()
         began, ticks0 = time.monotonic(), _cpu_s(pid)
@@ -229,7 +235,7 @@ async def measure(base: str, key: str, pids: dict[str, int],
                 streams = plan(condition, round_no * per_block, per_block, events, rng)
                 cpu0, wall0 = cpu_now(pids), time.monotonic()
                 await block(client, key, streams, concurrency=args.concurrency,
-                            max_tokens=args.max_tokens)
+                            limits=_limits(args))
                 wall = time.monotonic() - wall0
                 for name, seconds in cpu_now(pids).items():
                     cell["cpu_s"][name] += seconds - cpu0[name]
@@ -335,6 +341,8 @@ def main() -> None:
                         help="blocks per condition; the order turns each round")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every answer runs to --max-tokens (vLLM's ignore_eos)")
     parser.add_argument("--seed", type=int, default=7, help="where the streams are cut")
     parser.add_argument("--models", type=Path, default=ROOT / "var/e2e-models/models",
                         help="a models folder to copy into ATRIUM_HOME, so the demo model "
@@ -411,7 +419,7 @@ def main() -> None:
         "goals": {"lost_events": 0, "duplicated_events": 0,
                   "resume_p99_s_below": GOAL_RESUME_P99_S,
                   "throughput_ratio_at_least": GOAL_THROUGHPUT_RATIO},
-        "workload": {"texts": list(TEXTS), "max_tokens": args.max_tokens, "temperature": 0,
+        "workload": {"texts": list(TEXTS), **_limits(args), "temperature": 0,
                      "streams_per_condition": args.requests, "rounds": args.rounds,
                      "block": measured["per_block"], "concurrency": args.concurrency,
                      "seed": args.seed, "header": RESUMABLE,
