@@ -49,6 +49,8 @@ _CANCEL_POLL_S = 0.25
 _READ_POLL_S = 0.05
 INLINE_BODY_BYTES = 64 * 1024
 LOG_ABSENT_S = 10.0  # a reader waits this long for a log that is not there
+FINAL_STORE_ATTEMPTS = 6  # a background response's end, written over about 30 s
+RUNNING = ("queued", "in_progress")  # a response's states before its end
 _END = "end"  # the event log's last entry: no client sees it
 
 
@@ -252,13 +254,21 @@ class ResponseCall:
                 input_items=[{"id": item.get("id") or item_id(
                     "msg" if item["type"] == "message" else "fc"), **item}
                     for item in self.request.items])
-        try:
-            await response_store.write(change)
-            self._stored = True
-        except NotStored:
-            pass  # the tenant's patterns do not compile: the answer is the client's alone
-        except Exception:  # noqa: BLE001 - the answer was made and billed: it is sent
-            log.warning("could not store response %s", response["id"], exc_info=True)
+        # NOTE: a background response's end is retried: written once, it is all its
+        # polls will ever read (one left "in_progress" would stay so for good).
+        final = self.request.background and response["status"] not in RUNNING
+        for attempt in range(FINAL_STORE_ATTEMPTS if final else 1):
+            if attempt:
+                await asyncio.sleep(min(2.0 ** (attempt - 1), 10.0))
+            try:
+                await response_store.write(change)
+                self._stored = True
+                return
+            except NotStored:
+                return  # the tenant's patterns do not compile: the answer is the client's
+            except Exception:  # noqa: BLE001 - the answer was made and billed: it is sent
+                log.warning("could not store response %s (attempt %d)", response["id"],
+                            attempt + 1, exc_info=True)
 
 
 async def _as_frames(events: AsyncIterator[dict[str, Any] | None]

@@ -22,6 +22,7 @@ from inference import pipeline, resumable, resume, telemetry
 from inference.auth import authenticate
 from inference.frames import Followed, Frame, sse, unnumbered
 from inference.protocols.responses_flow import (
+    RUNNING,
     ResponseCall,
     events_kept,
     in_thread,
@@ -98,7 +99,6 @@ async def _stored(request: HttpRequest, response_id: str
     return principal, _as_seen(stored)
 
 
-_RUNNING = ("queued", "in_progress")
 # A background response still running past its request's deadline (and this slack) lost
 # the web process that ran it.
 LOST_AFTER_SLACK_S = 60
@@ -109,7 +109,7 @@ def _as_seen(stored: StoredResponseInfo) -> StoredResponseInfo:
     (no run outlives its deadline) reads as failed, not forever in progress."""
     response = stored.response
     lost_at = response["created_at"] + settings.ATRIUM_REQUEST_TIMEOUT_S + LOST_AFTER_SLACK_S
-    if stored.status not in _RUNNING or time.time() < lost_at:
+    if stored.status not in RUNNING or time.time() < lost_at:
         return stored
     failed = {**response, "status": "failed", "error": {
         "code": "server_error", "message": "the server running this background response "
@@ -125,7 +125,7 @@ async def _retrieve(request: HttpRequest, response_id: str) -> HttpResponse:
     if not stored.response.get("background"):
         raise InvalidRequest("only a background response's events can be streamed again",
                              param="stream", code="invalid_value")
-    if stored.status not in _RUNNING and not await events_kept(response_id):
+    if stored.status not in RUNNING and not await events_kept(response_id):
         raise ResponseNotFound("this response's events are no longer kept (an hour after it "
                                "ended); retrieve it without 'stream'", param="stream")
     after = request.GET.get("starting_after", "-1")
@@ -160,7 +160,7 @@ async def cancel(request: HttpRequest, response_id: str) -> HttpResponse:
     if not stored.response.get("background"):
         raise InvalidRequest("only a background response can be cancelled",
                              param="response_id", code="invalid_value")
-    if stored.status in _RUNNING:
+    if stored.status in RUNNING:
         await request_cancel(response_id)
         stored = await _settled(principal, response_id, stored)
     return JsonResponse(stored.response)
@@ -170,7 +170,7 @@ async def _settled(principal: Principal, response_id: str,
                    stored: StoredResponseInfo) -> StoredResponseInfo:
     # The engine stops within a step; a loaded server takes longer to say so.
     deadline = time.monotonic() + CANCEL_WAIT_S
-    while stored.status in _RUNNING and time.monotonic() < deadline:
+    while stored.status in RUNNING and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
         stored = await in_thread(stored_response_get, tenant_id=principal.tenant_id,
                                  response_id=response_id) or stored

@@ -110,8 +110,12 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # Several processes (web, worker, CLI) share the file under `atrium up`.
-    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    # Several processes (web, worker, CLI) share the file under `atrium up`. NOTE: in WAL
+    # mode a reader never waits for a writer nor a writer for readers; in the default
+    # rollback journal a commit waits until no process is reading, and under the load of
+    # many tenants a write (a background response's final state) gave up after the timeout.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE",
+                                       "init_command": "PRAGMA journal_mode=WAL;"}
     # NOTE: the test database is a file too: Django's default in-memory one is shared
     # between threads with table locks that fail at once instead of waiting, and the
     # live-server tests run web, engine and Celery threads against it.

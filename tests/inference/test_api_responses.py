@@ -187,6 +187,34 @@ def test_a_background_response_is_cancelled_mid_generation(client, served_model,
     assert client.responses.retrieve(res.id).status == cancelled.status
 
 
+def test_a_background_responses_end_is_written_again_when_the_database_refused_it(
+        client, served_model, slow_engine, monkeypatch):  # noqa: F811
+    """A write of its end that fails (SQLite busy past its timeout) is retried: the response
+    does not stay "in_progress" for every later poll."""
+    from django.db import OperationalError
+
+    from inference.protocols import response_store
+
+    write, refused = response_store._write_in_thread, []
+
+    def busy_at_the_end(changes):
+        if any(c.response["status"] == "cancelled" for c in changes) and len(refused) < 2:
+            refused.append(len(changes))
+            raise OperationalError("database is locked")
+        return write(changes)
+
+    monkeypatch.setattr(response_store, "_write_in_thread", busy_at_the_end)
+    res = client.responses.create(model=served_model, input="Tell me a long story",
+                                  background=True, max_output_tokens=200,
+                                  text={"format": LONG_ANSWER})
+    for event in client.responses.retrieve(res.id, stream=True):
+        if event.type == "response.output_text.delta":
+            break  # it is generating
+    assert client.responses.cancel(res.id).status == "cancelled"
+    assert len(refused) == 2
+    assert client.responses.retrieve(res.id).status == "cancelled"
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
