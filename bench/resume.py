@@ -25,8 +25,12 @@ its record and of the engine's events stream, for every finished request, and th
 ``used_memory`` delta per stream as a second estimate. About 40 s on the 2-core VM.
 Writes bench/results/resume.json.
 
+With ``--pin`` the engine runs alone on CPU 1 and everything else on CPU 0: on two shared
+cores the web process's CPU for a resume (one more HTTP request) is taken from the engine's
+decode, which a deployment's web tier, on machines of its own, is not.
+
     .venv/bin/python bench/resume.py [--requests 200] [--rounds 10] [--concurrency 8]
-        [--max-tokens 64] [--models DIR]
+        [--max-tokens 64] [--ignore-eos] [--pin] [--models DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -347,8 +351,14 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=ROOT / "var/e2e-models/models",
                         help="a models folder to copy into ATRIUM_HOME, so the demo model "
                              "is not built again (built if absent)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the engine alone on CPU 1 (one thread), the web process, Redis "
+                             "and the clients on CPU 0: the web tier off the engine's cores, "
+                             "as it is off the GPU workers' machines in a deployment")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/resume.json")
     args = parser.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {0})  # inherited by Redis and the web process
 
     home = Path(tempfile.mkdtemp(prefix="atrium-resume-"))
     server = RedisServer(home, persistent=False)
@@ -376,8 +386,10 @@ def main() -> None:
              "--requests-per-minute", "1000000", "--tokens-per-minute", "100000000")
         key = _cli(env, home, "create-key", "bench").split()[-1]
         procs.append(subprocess.Popen(
-            [str(BIN / "atrium"), "engine", "--model-name", MODEL], env=env, cwd=home,
-            stdout=(home / "engine.log").open("w"), stderr=subprocess.STDOUT))
+            [str(BIN / "atrium"), "engine", "--model-name", MODEL],
+            env={**env, "OMP_NUM_THREADS": "1"} if args.pin else env, cwd=home,
+            stdout=(home / "engine.log").open("w"), stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {1})) if args.pin else None))
         port = free_port()
         web = subprocess.Popen([str(BIN / "atrium"), "web", "--port", str(port)], env=env,
                                cwd=home, stdout=(home / "web.log").open("w"),
@@ -406,7 +418,11 @@ def main() -> None:
     memory = measured["redis"]
     result = {
         "machine_note": f"{os.cpu_count()} CPUs (the development VM), CPU only; web, engine, "
-                        "Redis and the clients on the same machine",
+                        "Redis and the clients on the same machine" + (
+                            ": the engine alone on CPU 1 (one thread), the web process, "
+                            "Redis and the clients on CPU 0" if args.pin else
+                            ", sharing its cores"),
+        "pinned": args.pin,
         "checkpoint": f"{model_dir.name}: the demo model `atrium up` builds (trained; "
                       "answers may stop early at EOS), atrium engine as shipped",
         "peer": "uncut (its figures under \"uncut\"): the same resumable streams read to "
