@@ -77,7 +77,8 @@ def headers(started: pipeline.Started) -> dict[str, str]:
             resumable.URL_HEADER: resumable.stream_url(started.prepared.response_id)}
 
 
-_adopting: dict[str, asyncio.Future] = {}
+# NOTE: by request and tenant: another tenant naming the id shares no replay with the owner.
+_adopting: dict[tuple[str, int], asyncio.Future] = {}
 
 
 async def pump_for(principal_tenant: int, request_id: str) -> Pump:
@@ -86,14 +87,16 @@ async def pump_for(principal_tenant: int, request_id: str) -> Pump:
     events are no longer kept, is not found."""
     pump = resumable.local_pump(request_id)
     if pump is None:
-        if (adopting := _adopting.get(request_id)) is not None:
+        key = (request_id, principal_tenant)
+        if (adopting := _adopting.get(key)) is not None:
             pump = await asyncio.shield(adopting)
         else:
-            _adopting[request_id] = adopting = asyncio.ensure_future(_replay(request_id))
+            _adopting[key] = adopting = asyncio.ensure_future(
+                _replay(request_id, principal_tenant))
             try:
                 pump = await asyncio.shield(adopting)
             finally:
-                _adopting.pop(request_id, None)
+                _adopting.pop(key, None)
     if pump is None or pump.record.principal.tenant_id != principal_tenant:
         raise StreamNotFound(f"No stream with id '{request_id}': it is not a resumable "
                              "request of yours, or it ended more than "
@@ -105,10 +108,10 @@ async def pump_for(principal_tenant: int, request_id: str) -> Pump:
     return pump
 
 
-async def _replay(request_id: str) -> Pump | None:
+async def _replay(request_id: str, tenant_id: int) -> Pump | None:
     record = await resumable.read_record(request_id)
-    if record is None:
-        return None
+    if record is None or record.principal.tenant_id != tenant_id:
+        return None  # another tenant's: nothing replayed nor taken over for it
     # Its owner gone (its process died or drains): owned from here at once, not at the
     # next sweep of some process.
     if await resumable.take_over(request_id):

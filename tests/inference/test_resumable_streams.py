@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 from websockets.sync.client import connect
 
-from inference import resumable
+from inference import resumable, resume
 from inference.admission import quota_key
 from tests.factories import key_factory, plan_factory, tenant_factory
 from tests.inference.sse_reading import chat_text, read
@@ -251,12 +251,17 @@ def test_a_drained_process_tells_its_followers_where_to_resume_and_its_streams_e
 
 
 def test_another_tenants_stream_is_not_found(api_server, tenant_key, served_model,
-                                             engine_worker):
+                                             engine_worker, monkeypatch):
     other = make_tenant_key("intruder")
     with http(api_server, tenant_key.key) as client:
         response, _ = read(client, "POST", "/v1/chat/completions",
                            json=chat_body(served_model), headers=RESUME)
     request_id = response.headers["x-request-id"]
+    # Ended, so a resume replays it: never for another tenant (its CPU, a takeover).
+    replayed = []
+    adopt = resume._adopt
+    monkeypatch.setattr(resume, "_adopt", lambda record, token: (
+        replayed.append(record.request_id), adopt(record, token))[1])
     with http(api_server, other.key) as intruder:
         for after in (-1, 0):
             answer, seen = resumed(intruder, request_id, after)
@@ -265,6 +270,11 @@ def test_another_tenants_stream_is_not_found(api_server, tenant_key, served_mode
         assert intruder.delete(f"/v1/streams/{request_id}").status_code == 404
         unknown, _ = resumed(intruder, "chatcmpl-" + "0" * 32, -1)
         assert unknown.status_code == 404
+    assert replayed == []
+    with http(api_server, tenant_key.key) as client:
+        answer, seen = resumed(client, request_id, 0)
+    assert answer.status_code == 200 and seen[-1].data == "[DONE]"
+    assert replayed == [request_id]
 
 
 @pytest.mark.parametrize("last_event_id, status", [("999", 400), ("abc", 400), ("-5", 400),
