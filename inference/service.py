@@ -44,7 +44,7 @@ from inference.errors import (
     ModelNotFound,
     ServiceUnavailable,
 )
-from inference.tools import ToolRequest, check_tool_support
+from inference.tools import FORMATS, ToolRequest, check_tool_support
 from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
@@ -135,24 +135,53 @@ def model_objects(principal: Principal) -> list[dict[str, Any]]:
     """``/v1/models``: each base model, then every adapter this key may call on it."""
     data = []
     for model in served_models().values():
+        plan = model_plan(model, principal)
         data.append({"id": model.name, "object": "model", "created": model.created,
-                     "owned_by": "atrium"})
-        data.extend(adapter_object(a) for a in adapter_list_usable(
+                     "owned_by": "atrium", **plan})
+        data.extend(adapter_object(a, plan) for a in adapter_list_usable(
             tenant_id=principal.tenant_id, tenant_slug=principal.tenant_slug, base=model.name))
     return data
 
 
 def model_object(name: str, principal: Principal) -> dict[str, Any]:
     model, adapter = resolve_model(name, principal)
+    plan = model_plan(model, principal)
     if adapter is not None:
-        return adapter_object(adapter, model_id=name)
-    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "atrium"}
+        return adapter_object(adapter, plan, model_id=name)
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "atrium",
+            **plan}
 
 
-def adapter_object(adapter: ServedAdapter, model_id: str | None = None) -> dict[str, Any]:
+def adapter_object(adapter: ServedAdapter, plan: dict[str, Any],
+                   model_id: str | None = None) -> dict[str, Any]:
     return {"id": model_id or adapter.model_id, "object": "model", "created": adapter.created,
             "owned_by": adapter.owner_slug, "root": adapter.model_id.split(":")[0],
-            "parent": adapter.model_id.split(":")[0], "version": adapter.version}
+            "parent": adapter.model_id.split(":")[0], "version": adapter.version, **plan}
+
+
+def model_plan(model: ServedModel, principal: Principal) -> dict[str, Any]:
+    """What a client plans a request to ``model`` with, for this key (fields OpenAI's
+    clients ignore): its context window (also as vLLM's ``max_model_len``), the most output
+    tokens a request may ask for, and what it supports."""
+    max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
+    if principal.max_output_tokens is not None:
+        max_output = min(max_output, principal.max_output_tokens)
+    return {
+        "context_window": model.context_window, "max_model_len": model.context_window,
+        "max_output_tokens": min(max_output, model.context_window - 1),
+        "capabilities": {
+            "completions": True,
+            "chat_completions": model.chat_template is not None,
+            "responses": model.chat_template is not None,
+            "messages": model.chat_template is not None,
+            # "auto" needs a format to find calls in; a forced tool_choice works on any.
+            "tools": model.chat_template is not None and model.tool_format in FORMATS,
+            "tool_choice_required": model.chat_template is not None,
+            "structured_outputs": True,
+            "logprobs": True, "max_top_logprobs": p.MAX_TOP_LOGPROBS,
+            "embeddings": False,
+        },
+    }
 
 
 def _prompts(parsed: p.ChatRequest | p.CompletionRequest, model: ServedModel,

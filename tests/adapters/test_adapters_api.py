@@ -96,6 +96,9 @@ def test_models_lists_own_and_public_adapters_only(api_server, tenant_key, train
     assert "tiny-llama:secret" not in [m.id for m in client(api_server, third.key).models.list()]
     detail = client(api_server, tenant_key.key).models.retrieve("tiny-llama:sql@1")
     assert detail.owned_by == tenant_key.slug
+    base = client(api_server, tenant_key.key).models.retrieve("tiny-llama")
+    assert detail.model_extra["context_window"] == base.model_extra["context_window"]
+    assert detail.model_extra["capabilities"] == base.model_extra["capabilities"]
 
 
 @pytest.mark.parametrize("model", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 from openai import OpenAI
 from tokenizers import Tokenizer
@@ -37,6 +38,40 @@ def _expected_text(model_dir, prompt_ids: list[int], max_new_tokens: int) -> tup
 def test_models_lists_the_served_model(client, served_model):
     assert [m.id for m in client.models.list()] == [served_model]
     assert client.models.retrieve(served_model).id == served_model
+
+
+def test_a_model_says_what_a_client_plans_with_and_its_limits_hold(
+        api_server, served_model, engine_worker):
+    """Its context window, the output it may ask for (under this key's plan) and what it
+    supports, in fields the SDK keeps as extras; a request at the limit is served, one
+    above it refused."""
+    from django.conf import settings
+
+    from core.served_models import served_models
+    from tests.factories import key_factory, plan_factory, tenant_factory
+
+    window = served_models()[served_model].context_window
+    capped = key_factory(tenant_factory(plan=plan_factory(max_output_tokens=7)))
+    for key, most in ((capped.plaintext, 7),
+                      (key_factory(tenant_factory()).plaintext,
+                       min(settings.ATRIUM_MAX_OUTPUT_TOKENS, window - 1))):
+        sdk = OpenAI(base_url=f"{api_server}/v1", api_key=key, max_retries=0)
+        listed = sdk.models.list().data[0].model_extra
+        assert listed == sdk.models.retrieve(served_model).model_extra
+        assert listed["context_window"] == listed["max_model_len"] == window
+        assert listed["max_output_tokens"] == most
+        assert listed["capabilities"] == {
+            "completions": True, "chat_completions": True, "responses": True,
+            "messages": True, "tools": True, "tool_choice_required": True,
+            "structured_outputs": True, "logprobs": True, "max_top_logprobs": 20,
+            "embeddings": False}
+    sdk = OpenAI(base_url=f"{api_server}/v1", api_key=capped.plaintext, max_retries=0)
+    answer = sdk.completions.create(model=served_model, prompt="Hello", max_tokens=7,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 7
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.completions.create(model=served_model, prompt="Hello", max_tokens=8)
+    assert refused.value.body["param"] == "max_tokens"
 
 
 def test_completion_matches_transformers_greedy(client, served_model, engine_worker,
