@@ -293,7 +293,7 @@ async def spend_cap_check(client: aioredis.Redis, principal: Principal) -> None:
 
 def _script_args(principal: Principal, *, request_id: str, cost: int, cost_micros: int,
                  lease_ms: int, probe: bool, slots: budget_counters.Slots,
-                 end_user: str | None) -> tuple[list, list]:
+                 end_user: str | None, holds_slot: bool = True) -> tuple[list, list]:
     month, month_reset_ms = month_window()
     tenant_keys, key_keys = _level_keys(principal, month)
     levels = list(zip(tenant_keys, key_keys, strict=True))
@@ -304,7 +304,8 @@ def _script_args(principal: Principal, *, request_id: str, cost: int, cost_micro
         request_id=request_id, tokens=cost, lease_ms=lease_ms, month_reset_ms=month_reset_ms,
         rpm_limits=_limits(principal, "requests_per_minute"),
         tpm_limits=_limits(principal, "tokens_per_minute"),
-        concurrency_limits=_limits(principal, "max_concurrent_requests"),
+        concurrency_limits=_limits(principal, "max_concurrent_requests") if holds_slot
+        else [0, 0],
         month_caps=_limits(principal, "monthly_token_cap"), probe=int(probe),
         cost_micros=cost_micros, window_fields=slots.fields,
         end_user_fields=slots.user_defaults, window_resets=slots.resets_ms,
@@ -314,11 +315,13 @@ def _script_args(principal: Principal, *, request_id: str, cost: int, cost_micro
 async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str,
                 prompt_tokens: int, max_tokens: int, lease_s: float,
                 spend_checked: bool = False, cost_micros: int = 0,
-                end_user: str | None = None) -> Admission:
+                end_user: str | None = None, holds_slot: bool = True) -> Admission:
     """Takes the request's share of every limit and budget or none; raises RateLimited /
     QuotaExceeded (429, with Retry-After and the x-ratelimit-* headers) when one is reached.
     `cost_micros`: the request's largest possible cost, reserved in its budgets.
-    `spend_checked`: the precheck just read the spend cap; it is not read again."""
+    `spend_checked`: the precheck just read the spend cap; it is not read again.
+    `holds_slot` False: not refused at the concurrency limit (a request that makes no
+    tokens and is settled at once, such as a tokenize)."""
     cost = prompt_tokens + max_tokens
     if not spend_checked:
         await spend_cap_check(client, principal)
@@ -327,7 +330,8 @@ async def admit(client: aioredis.Redis, *, principal: Principal, request_id: str
                           end_user=end_user)
     keys, args = _script_args(principal, request_id=request_id, cost=cost,
                               cost_micros=cost_micros, lease_ms=int(lease_s * 1000),
-                              probe=False, slots=slots, end_user=end_user)
+                              probe=False, slots=slots, end_user=end_user,
+                              holds_slot=holds_slot)
     reply = [int(x) for x in await _run(client, ADMIT.sha, ADMIT.source, keys, args)]
     (ok, reason, level, retry_ms, failed_limit, rl, rr, rreset, tl, tr, treset) = reply[:11]
     state = RateLimitState(rl, rr, rreset, tl, tr, treset)

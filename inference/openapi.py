@@ -13,6 +13,7 @@ from typing import Any
 from inference.params import ChatCompletionBody, CompletionBody
 from inference.protocols.messages import CountBody, CreateBody
 from inference.protocols.responses_request import ResponseBody
+from inference.tokenizing import DetokenizeBody, TokenizeChatBody, TokenizePromptBody
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": "#/components/schemas/OpenAIError"}
@@ -74,7 +75,8 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     bodies = {"ChatCompletionBody": ChatCompletionBody, "CompletionBody": CompletionBody,
               "ResponseBody": ResponseBody, "MessageBody": CreateBody,
-              "MessageCountBody": CountBody}
+              "MessageCountBody": CountBody, "TokenizePromptBody": TokenizePromptBody,
+              "TokenizeChatBody": TokenizeChatBody, "DetokenizeBody": DetokenizeBody}
     for name, model in bodies.items():
         schema = model.model_json_schema(ref_template=_REF)
         for part, part_schema in schema.pop("$defs", {}).items():
@@ -84,6 +86,8 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
                 raise ValueError(f"two request bodies define {part!r} differently")
         schemas[name] = schema
     schemas["OpenAIError"] = _ERROR_SCHEMA
+    schemas["TokenizeBody"] = {"oneOf": [{"$ref": _REF.format(model="TokenizePromptBody")},
+                                         {"$ref": _REF.format(model="TokenizeChatBody")}]}
     result["paths"].update({
         "/v1/chat/completions": _create("chat_completion_create", "Create a chat completion",
                                         "ChatCompletionBody"),
@@ -112,6 +116,13 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
             "delete": {**_get("stream_cancel", "Cancel a resumable request",
                               parameters=[_REQUEST_ID])["get"],
                        "operationId": "stream_cancel"}},
+        **{f"{prefix}/tokenize": _create(
+            f"tokenize{name}", "A prompt, or a chat's messages through the model's template, "
+            "as token ids (vLLM's shape; not billed)", "TokenizeBody")
+           for prefix, name in (("/v1", ""), ("", "_unprefixed"))},
+        **{f"{prefix}/detokenize": _create(
+            f"detokenize{name}", "Token ids as text (vLLM's shape; not billed)",
+            "DetokenizeBody") for prefix, name in (("/v1", ""), ("", "_unprefixed"))},
         "/v1/models": _get("model_list", "The models and adapters the key may call"),
         "/v1/models/{model}": _get("model_get", "One model or adapter", parameters=[
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),

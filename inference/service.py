@@ -299,14 +299,27 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                     tools=tools, echo=echo, price=price)
 
 
-def chat_prompt_tokens(*, principal: Principal, body: Any) -> int:
-    """The tokens of a chat body's prompt, rendered as ``prepare`` renders it (template,
-    tools, tool_choice "none"): what a request with it is admitted and billed for. Reads
-    the adapters' table and tokenizes: run it off the event loop."""
+def chat_prompt_ids(*, principal: Principal, body: Any) -> list[int]:
+    """A chat body's prompt, rendered as ``prepare`` renders it (template, tools,
+    tool_choice "none"): what a request with it is admitted and billed for. Reads the
+    adapters' table and tokenizes: run it off the event loop."""
     parsed = p.parse_chat(body)
     model, _ = resolve_model(parsed.params.model, principal)
     [prompt] = _prompts(parsed, model, parsed.tools)
-    return len(prompt)
+    return prompt
+
+
+async def count_request(principal: Principal) -> dict[str, str]:
+    """A request that makes no tokens (a tokenize): one of the caller's requests per
+    minute, refused (429) at that limit, holding no concurrency slot past itself. Its
+    rate-limit headers."""
+    client = async_client()
+    admission = await quota.admit(client, principal=principal,
+                                  request_id=f"count-{uuid.uuid4().hex}", prompt_tokens=0,
+                                  max_tokens=0, lease_s=quota.LEASE_SLACK_S,
+                                  spend_checked=True, holds_slot=False)
+    await quota.settle(client, admission, used_tokens=0)
+    return admission.headers()
 
 
 def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:

@@ -203,9 +203,9 @@ async def count_tokens(request: HttpRequest) -> HttpResponse:
     await service.precheck(principal)
     chat = await _translated(messages.translate_count, views.json_body(request))
     with _our_names():
-        count = await sync_to_async(service.chat_prompt_tokens, thread_sensitive=False)(
+        prompt = await sync_to_async(service.chat_prompt_ids, thread_sensitive=False)(
             principal=principal, body=chat)
-    return JsonResponse({"input_tokens": count})
+    return JsonResponse({"input_tokens": len(prompt)})
 
 
 # --- the answer ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from rest_framework.permissions import AllowAny
 
 from adapters import internal as adapter_internal
 from inference import batch_views as batch_api
+from inference import tokenizing
 from inference import views as inference
 from inference.protocols import messages_views as messages_api
 from inference.protocols import responses_views as responses_api
@@ -23,6 +24,11 @@ urlpatterns = [
     path("v1/messages/count_tokens", messages_api.count_tokens),
     path("v1/streams/<str:request_id>", inference.stream),
     path("v1/models", inference.models),
+    # vLLM's paths, and the same under /v1/ beside the rest of the API.
+    path("v1/tokenize", tokenizing.tokenize),
+    path("v1/detokenize", tokenizing.detokenize),
+    path("tokenize", tokenizing.tokenize),
+    path("detokenize", tokenizing.detokenize),
     path("v1/models/<path:model>", inference.model_detail),
     path("v1/files", batch_api.files),
     path("v1/files/<str:file_id>", batch_api.file_detail),

@@ -67,5 +67,6 @@ def test_every_operation_answers_json_without_a_5xx(api_server, engine_worker, s
             except Unsatisfiable:
                 continue  # nothing to break: an operation without parameters or body
     print(json.dumps({"operations": len(seen), "cases": sum(seen.values())}))
-    assert {"POST /v1/chat/completions", "POST /v1/completions"} <= set(seen)
+    assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/tokenize",
+            "POST /detokenize"} <= set(seen)
     assert not failures, failures[:20]
