@@ -78,6 +78,16 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the most likely tokens, most likely first
 
 
+@dataclass(slots=True, frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability under the model given the tokens before it (its
+    raw log-softmax, as vLLM's prompt_logprobs: no temperature, penalty or bias)."""
+
+    logprob: float
+    rank: int  # 1 + how many tokens are strictly more likely at its position
+    top: list[tuple[int, float]]  # the most likely tokens there, most likely first
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     """What one forward pass produced, in the order of ``SchedulerOutput.requests``."""
@@ -94,6 +104,10 @@ class RunnerOutput:
     forks: dict[int, RunnerOutput] = field(default_factory=dict)
     # Row index -> what a speculating row yields (sampled[row] is its first token).
     speculated: dict[int, Speculated] = field(default_factory=dict)
+    # Row index -> for a row whose request asked for prompt logprobs, those of the prompt
+    # tokens its positions predict: start_pos + 1, start_pos + 2, ... (before the end of the
+    # prompt), in order.
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
 
     def logprobs_of(self, index: int) -> TokenLogprobs | None:
         return self.logprobs[index] if self.logprobs else None

@@ -133,11 +133,16 @@ class EventWriter:
         batch = self._batch()
         for out in outputs:
             self.tokens_written += len(out.token_ids)
-            if out.text_delta or out.token_ids:
+            # NOTE: prompt logprobs are written even on an output with no text or tokens.
+            if out.text_delta or out.token_ids or out.prompt_logprobs is not None:
                 data: dict[str, Any] = {"text": out.text_delta, "token_ids": out.token_ids}
                 if out.logprobs is not None:
                     data["logprobs"] = [[lp.logprob, [list(pair) for pair in lp.top]]
                                         for lp in out.logprobs]
+                if out.prompt_logprobs is not None:
+                    data["prompt_logprobs"] = [[lp.logprob, lp.rank,
+                                                [list(pair) for pair in lp.top]]
+                                               for lp in out.prompt_logprobs]
                 if self.open[out.request_id].request.num_choices > 1:
                     data["index"] = out.index
                 self._append(batch, out.request_id, protocol.EV_DELTA, data)

@@ -67,8 +67,13 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step that finishes the
         prompt has logits to sample from.
+
+        NOTE: a sequence still gathering prompt logprobs finds nothing: each prompt
+        position's logits are needed, and a cached position is never run. Its blocks are
+        still cached for others (``cache_full_blocks``); once it has them all (a preempted
+        one readmitted), it reads the cache like any other.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return [], 0
         self._hash_full_blocks(seq, (seq.num_tokens - 1) // self.block_size)
         hits = []

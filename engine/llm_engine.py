@@ -254,7 +254,10 @@ class LLMEngine:
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests
                               if not r.is_decode and not r.draft),
             generation_tokens=sampled.num_sampled)
-        outputs += self.scheduler.postprocess(batch, sampled)
+        due = self._keep_prompt_logprobs(batch, sampled)  # before postprocess ends any
+        produced = self.scheduler.postprocess(batch, sampled)
+        _send_prompt_logprobs(due, produced)
+        outputs += produced
         self._keep_accepted_drafts(batch, sampled)
         clock.lap("postprocess")
         rows = batch.requests
@@ -264,6 +267,22 @@ class LLMEngine:
                                  tokens=sampled.num_sampled,
                                  seconds=time.perf_counter() - began)
         return self._let_go_of_adapters(outputs)
+
+    def _keep_prompt_logprobs(self, batch: SchedulerOutput, ran: RunnerOutput
+                              ) -> list[Sequence]:
+        """Gives each sequence the prompt logprobs its row brought; returns the batch's
+        sequences whose prompt logprobs are all in and not yet sent."""
+        sequences = self.scheduler.sequences
+        for index, entries in ran.prompt_logprobs.items():
+            req = batch.requests[index]
+            if (seq := sequences.get(req.request_id)) is None:
+                continue
+            try:
+                seq.add_prompt_logprobs(req.start_pos + 1, entries)
+            except ValueError:  # NOTE: a bug of ours; its request goes on without them
+                log.exception("request %s: prompt logprobs out of order", req.request_id)
+        return [seq for req in batch.requests
+                if (seq := sequences.get(req.request_id)) is not None and seq.prompt_logprobs_due]
 
     def _keep_accepted_drafts(self, batch: SchedulerOutput | None,
                               ran: RunnerOutput | None) -> None:
@@ -397,3 +416,19 @@ class LLMEngine:
         return {"lora": self.adapters.info(self.scheduler.waiting),
                 "adapter_slot_evictions": self.adapters.slots.evictions,
                 "adapter_load": self.adapters.cache.load_seconds.to_dict()}
+
+
+def _send_prompt_logprobs(due: list[Sequence], outputs: list[RequestOutput]) -> None:
+    """Puts each due sequence's prompt logprobs on its first output of the step (matched by
+    request id and choice index: a prompt's own choice, p * n).
+
+    NOTE: a sequence with no output this step (the step ran its prompt up to its last
+    token, which runs and samples in a later one) sends them with its next output; an
+    error's output carries none.
+    """
+    for seq in due:
+        out = next((o for o in outputs if o.error is None and o.request_id == seq.reported_id
+                    and o.index == seq.index), None)
+        if out is not None:
+            out.prompt_logprobs = list(seq.prompt_logprobs)
+            seq.prompt_logprobs_sent = True

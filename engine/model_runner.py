@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from engine.batch import RunnerOutput, SampleFailure, ScheduledRequest, SchedulerOutput
+from engine.batch import (
+    PromptLogprob,
+    RunnerOutput,
+    SampleFailure,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from engine.config import EngineConfig
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
@@ -31,6 +37,9 @@ from engine.speculative import verify_row
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prompt logprobs are computed this many positions at a time: their float32 log-softmax is
+# [rows, vocab], 128 MiB here on a 128k vocabulary, where a whole chunk's could take GiBs.
+PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
@@ -172,7 +181,53 @@ class ModelRunner:
             out = _sample(logits, reqs, sampling, rows, masks.result() if masks else None)
         if speculating:
             self._verify(hidden, reqs, speculating, last_row, out)
+        out.prompt_logprobs = self._prompt_logprobs(hidden, reqs, last_row)
         self.clock.lap("sample")
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, reqs: list[ScheduledRequest],
+                         last_row: dict[int, int]) -> dict[int, list[PromptLogprob]]:
+        """For each row that asked, the logprobs of the prompt tokens its positions predict:
+        at position p, prompt token p + 1's, from the raw logits (RunnerOutput.prompt_logprobs).
+
+        NOTE: a row of one token (a 1-token chunk) can predict a prompt token too, so every
+        row but a speculating one is looked at, not only prefill chunks.
+        """
+        spans: dict[int, range] = {}  # request index -> its rows in hidden that predict one
+        for i, req in enumerate(reqs):
+            count = min(len(req.token_ids), req.num_prompt_tokens - 1 - req.start_pos)
+            if req.sampling.prompt_logprobs is not None and not req.draft and count > 0:
+                first = last_row[i] - len(req.token_ids) + 1
+                spans[i] = range(first, first + count)
+        if not spans:
+            return {}
+        device = self.device
+        rows = torch.tensor([r for span in spans.values() for r in span], device=device)
+        targets = torch.tensor([reqs[i].history[reqs[i].start_pos + 1 + k]
+                                for i, span in spans.items() for k in range(len(span))],
+                               device=device)
+        k = max(reqs[i].sampling.prompt_logprobs for i in spans)
+        chosen, ranks, top_values, top_ids = [], [], [], []
+        for start in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = slice(start, start + PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[rows[part]])  # [part, vocab] float32
+            logprobs = torch.log_softmax(logits, dim=-1)
+            target = logprobs.gather(1, targets[part, None])  # [part, 1]
+            chosen.append(target[:, 0])
+            ranks.append((logprobs > target).sum(dim=-1) + 1)
+            top = torch.topk(logprobs, k, dim=-1)  # [part, k] each
+            top_values.append(top.values)
+            top_ids.append(top.indices)
+        chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
+        values_l, ids_l = torch.cat(top_values).tolist(), torch.cat(top_ids).tolist()
+        out: dict[int, list[PromptLogprob]] = {}
+        r = 0  # the first of the request's rows in the lists
+        for i, span in spans.items():
+            width = reqs[i].sampling.prompt_logprobs
+            out[i] = [PromptLogprob(chosen_l[j], ranks_l[j],
+                                    list(zip(ids_l[j][:width], values_l[j][:width], strict=True)))
+                      for j in range(r, r + len(span))]
+            r += len(span)
         return out
 
     def _verify(self, hidden: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from engine import protocol
-from engine.batch import TokenLogprobs
+from engine.batch import PromptLogprob, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -47,6 +47,10 @@ class RequestOutput:
     # how every choice ended ({"index", "finish_reason", "cumulative_logprob"} each).
     index: int = 0
     choices: list[dict[str, Any]] | None = None
+    # Asked for (prompt_logprobs), once, on the first output of each prompt's own choice
+    # (p * n) after its prompt ran: one per prompt token after the first ([] for a 1-token
+    # prompt).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class EngineCore(Protocol):

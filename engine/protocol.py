@@ -172,6 +172,9 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     # None: no logprobs; k >= 0: the sampled token's and the k most likely (at most 20).
     logprobs: int | None = None
+    # None: none; k >= 0 (at most 20): each prompt token's after the first (vLLM's
+    # prompt_logprobs): its logprob, its rank and the k most likely at its position.
+    prompt_logprobs: int | None = None
     # Structured output: {"type": "json_object"} or {"type": "json_schema", "schema": {...}}.
     grammar: dict[str, Any] | None = None
     # Choices to generate from each prompt (1..16); with more than one choice in all
@@ -260,7 +263,11 @@ class EngineRequest:
 EV_ACCEPTED = "accepted"  # data: {"engine_id"}
 # data: {"text", "token_ids"}, and with logprobs asked for, "logprobs": one
 # [logprob, [[token_id, logprob], ...]] per token (the sampled token's, then the top k);
-# with more than one choice (num_choices > 1), "index": the choice (absent: 0).
+# with more than one choice (num_choices > 1), "index": the choice (absent: 0). With
+# prompt_logprobs asked for, once, on the first delta of each prompt's choice p * n:
+# "prompt_logprobs", one [logprob, rank, [[token_id, logprob], ...]] per prompt token after
+# the first (rank: 1 + the tokens more likely there; the top k most likely first); such a
+# delta may carry no text and no token ids.
 EV_DELTA = "delta"
 # data: {"finish_reason", "usage": {...}}, and with more than one choice, "choices": one
 # {"index", "finish_reason", "cumulative_logprob"} per choice; always the last event.

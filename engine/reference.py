@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from engine import protocol
+from engine.batch import PromptLogprob
 from engine.config import eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import PlainEngine, RequestOutput, Usage
@@ -138,16 +139,20 @@ class ReferenceEngine(PlainEngine):
 
     @torch.inference_mode()
     def _advance(self, active: _Active) -> RequestOutput:
-        if active.past_key_values is None:
-            input_ids = torch.tensor([active.request.prompt_token_ids])  # [1, prompt_len]
-        else:
-            input_ids = torch.tensor([active.output_ids[-1:]])  # [1, 1]
-        out = self.model(input_ids=input_ids.to(self.device), use_cache=True,
-                         past_key_values=active.past_key_values, logits_to_keep=1)
-        active.past_key_values = out.past_key_values
-        logits = out.logits[0, -1].float()  # [vocab]
         params = active.params
         prompt = active.request.prompt_token_ids
+        prefill = active.past_key_values is None
+        if prefill:
+            input_ids = torch.tensor([prompt])  # [1, prompt_len]
+        else:
+            input_ids = torch.tensor([active.output_ids[-1:]])  # [1, 1]
+        every = prefill and params.prompt_logprobs is not None  # 0 keeps every position's
+        out = self.model(input_ids=input_ids.to(self.device), use_cache=True,
+                         past_key_values=active.past_key_values, logits_to_keep=0 if every else 1)
+        active.past_key_values = out.past_key_values
+        logits = out.logits[0, -1].float()  # [vocab]
+        prompt_lps = None if not every else \
+            prompt_logprobs(out.logits[0, :-1].float(), prompt[1:], params.prompt_logprobs)
         shaped = logits.clone()
         if params.shapes_logits:
             shape_logits(shaped, params, prompt + active.output_ids, len(prompt))
@@ -163,10 +168,11 @@ class ReferenceEngine(PlainEngine):
         reason = self._finish_reason(active, token)
         if reason is None:
             return RequestOutput(active.request.request_id, text_delta=text, token_ids=[token],
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs=prompt_lps)
         final = self._final(active, reason, text=text + active.detokenizer.flush(),
                             token_ids=[token])
         final.logprobs = logprobs
+        final.prompt_logprobs = prompt_lps
         return final
 
     def _finish_reason(self, active: _Active, token: int) -> str | None:
@@ -209,6 +215,20 @@ class ReferenceEngine(PlainEngine):
         if self.running is not None and self.running.request.request_id == request_id:
             return self.running
         return next((a for a in self.waiting if a.request.request_id == request_id), None)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PromptLogprob]:
+    """Each target's logprob, rank and the k most likely tokens, from float32 ``logits``
+    [len(targets), vocab] at the positions before each (raw: nothing shapes them)."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [targets, vocab]
+    chosen = logprobs.gather(1, torch.tensor(targets, dtype=torch.long,
+                                             device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top = torch.topk(logprobs, k, dim=-1)
+    return [PromptLogprob(value, rank, list(zip(ids, values, strict=True)))
+            for value, rank, ids, values in zip(chosen[:, 0].tolist(), ranks,
+                                                top.indices.tolist(), top.values.tolist(),
+                                                strict=True)]
 
 
 def generate_reference(model_dir: Path | str, prompts_token_ids: list[list[int]],

@@ -32,6 +32,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are out
     stop_token_ids: list[int] = field(default_factory=list)  # end like EOS, not in the text
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    # None: none; k: each prompt token's after the first, its rank, and the top k there.
+    prompt_logprobs: int | None = None
     n: int = 1  # choices from each prompt (engine/parallel.py)
     # Set by the engine: the tokens min_tokens holds back (its EOS ids and stop_token_ids).
     min_tokens_masked: frozenset[int] = frozenset()
@@ -62,9 +64,10 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}]")
         self.stop_token_ids = list(self.stop_token_ids)
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -107,7 +110,7 @@ class SamplingParams:
                    frequency_penalty=spec.frequency_penalty,
                    repetition_penalty=spec.repetition_penalty, logit_bias=bias,
                    min_tokens=spec.min_tokens, stop_token_ids=list(spec.stop_token_ids),
-                   logprobs=spec.logprobs, n=spec.n)
+                   logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs, n=spec.n)
 
 
 def _is_int(value: object) -> bool:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.batch import PromptLogprob
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
@@ -60,11 +61,47 @@ class Sequence:
     # run (empty: none), and its n-gram index and draft length (SequenceDrafts).
     draft: list[int] = field(default_factory=list)
     drafts: Any = None
+    # Prompt logprobs (params.prompt_logprobs), gathered as the prompt's chunks run:
+    # prompt_logprobs[j] is prompt token j + 1's. Sent once, when all are in.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def reported_id(self) -> str:
         """The id its outputs carry: the request's, for every choice of it."""
         return self.request_id if self.group is None else self.group.request_id
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and is its prompt's own sequence (a request's, or
+        choice p * n of one with several), not a choice forked from one: those report none."""
+        return self.params.prompt_logprobs is not None and (
+            self.group is None or self.index % self.group.n == 0)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It wants prompt logprobs and has yet to gather some."""
+        return self.wants_prompt_logprobs \
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def prompt_logprobs_due(self) -> bool:
+        """Its prompt logprobs are all in and not yet sent."""
+        return self.wants_prompt_logprobs and not self.needs_prompt_logprobs \
+            and not self.prompt_logprobs_sent
+
+    def add_prompt_logprobs(self, first: int, entries: list[PromptLogprob]) -> None:
+        """Keeps ``entries``, the logprobs of prompt tokens ``first``, ``first + 1``, ...
+
+        NOTE: a sequence preempted and recomputed from its start runs its prompt again; the
+        entries it holds already are not taken twice.
+        """
+        if not self.wants_prompt_logprobs:
+            return
+        have = len(self.prompt_logprobs)  # prompt tokens 1..have are in
+        if first > have + 1:
+            raise ValueError(f"prompt logprobs from token {first} leave a gap after {have}")
+        self.prompt_logprobs.extend(entries[have + 1 - first:])
 
     @property
     def num_tokens(self) -> int:

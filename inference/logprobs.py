@@ -106,3 +106,38 @@ def merge_completion(parts: list[dict[str, Any]]) -> dict[str, Any]:
         for key, values in part.items():
             merged[key].extend(values)
     return merged
+
+
+# One engine prompt logprob: [logprob, rank, [[token_id, logprob], ...]], for each prompt
+# token after the first (engine/protocol.py EV_DELTA "prompt_logprobs").
+def echoed_prompt(texts: TokenTexts, prompt_ids: list[int], wire: list[WireLogprob],
+                  top: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's ``logprobs`` (OpenAI's echo with
+    logprobs): its first token has none (nothing precedes it), the others their logprob and
+    the ``top`` most likely where they stand."""
+    tokens, offsets, offset = [], [], 0
+    for token_id in prompt_ids:
+        text, _ = texts.get(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [None] + [entry[0] for entry in wire],
+            "top_logprobs": [None] + [{texts.get(t)[0]: lp for t, lp in entry[2][:top]}
+                                      for entry in wire],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, prompt_ids: list[int], wire: list[WireLogprob],
+                         top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``choices[].prompt_logprobs``: None for the first token, then for each one
+    its own id and the ``top`` most likely there, by id, each with its logprob, its rank
+    and its text."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token_id, (logprob, rank, most) in zip(prompt_ids[1:], wire, strict=True):
+        entry = {str(t): {"logprob": lp, "rank": r, "decoded_token": texts.get(t)[0]}
+                 for r, (t, lp) in enumerate(most[:top], start=1)}
+        entry.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
+                                         "decoded_token": texts.get(token_id)[0]})
+        out.append(entry)
+    return out

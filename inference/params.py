@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from inference.errors import InvalidRequest
-from inference.structured import check_json_schema
+from inference.structured import check_json_schema, grammar
 from inference.tools import ToolRequest, tool_choice_schema, tool_request
 from inference.validation import invalid_request, too_deep
 
@@ -254,6 +254,8 @@ class CompletionBody(CommonBody):
     # The sampled token's logprob and this many of the most likely at each position.
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None
+    # vLLM's: each prompt token's logprob, rank and this many of the most likely there.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: Annotated[Any, only_values((), "suffix needs a fill-in-the-middle model; this model "
                                  "has none")] = None
@@ -336,10 +338,19 @@ class GenerationParams:
     n: int = 1  # choices returned
     best_of: int = 1  # choices generated (completions): the n most likely are returned
     echo: bool = False  # completions: the prompt comes back before the completion
+    prompt_logprobs: int | None = None  # completions: vLLM's, the prompt tokens' (top k)
     # Structured output, as the engine takes it: {"type": "json_object"} or
     # {"type": "json_schema", "schema": {...}}; None: free text.
     grammar: dict[str, Any] | None = None
     user: str | None = None  # the tenant's end user: its budgets and ledger rows
+
+    @property
+    def prompt_top(self) -> int | None:
+        """The prompt's logprobs the engine computes (their top k): vLLM's, or the echoed
+        prompt's (OpenAI's echo with logprobs); None: none."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]
+        return max(asked) if asked else None
 
 
 @dataclass(slots=True)
@@ -425,9 +436,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     if params.best_of > params.n and params.stream:
         raise InvalidRequest("'best_of' larger than 'n' cannot be streamed", param="best_of",
                              code="invalid_value")
-    if params.echo and params.logprobs is not None:
-        raise InvalidRequest("'echo' with 'logprobs' (the prompt's logprobs) is not supported",
-                             param="echo", code="unsupported_parameter")
+    params.prompt_logprobs = parsed.prompt_logprobs
+    if params.stream and params.prompt_top is not None:
+        raise InvalidRequest("the prompt's logprobs ('prompt_logprobs', or 'echo' with "
+                             "'logprobs') cannot be streamed", param="stream",
+                             code="unsupported_parameter")
     if len(parsed.prompt) * params.best_of > MAX_CHOICES:
         raise InvalidRequest(f"{len(parsed.prompt)} prompts with {params.best_of} choices each "
                              f"make more than {MAX_CHOICES} choices", param="prompt",
@@ -444,7 +457,7 @@ def parse_chat(body: Any) -> ChatRequest:
         max_tokens, name = parsed.max_tokens, "max_tokens"
     logprobs = (parsed.top_logprobs or 0) if parsed.logprobs else None
     params = _params(parsed, max_tokens, name, logprobs)
-    params.grammar = _grammar(parsed.response_format)
+    params.grammar = grammar(parsed.response_format)
     tools = tool_request(tools=parsed.tools, tool_choice=parsed.tool_choice,
                          parallel_tool_calls=parsed.parallel_tool_calls)
     if tools is not None and tools.tool_choice == "none":
@@ -479,19 +492,6 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["name"] = m.name
         out.append(message)
     return out
-
-
-def _grammar(response_format: ResponseFormat | None) -> dict[str, Any] | None:
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_object":
-        return {"type": "json_object"}
-    if response_format.json_schema is not None:
-        schema = response_format.json_schema.schema_
-        # NOTE: OpenAI lets the schema out; any JSON object then matches, as json_object.
-        return {"type": "json_object"} if schema is None else \
-            {"type": "json_schema", "schema": schema}
-    return None
 
 
 def parse(kind: str, body: Any) -> ChatRequest | CompletionRequest:

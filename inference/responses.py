@@ -21,7 +21,14 @@ from inference.errors import (
     NoEngineAvailable,
     ServiceUnavailable,
 )
-from inference.logprobs import CompletionLogprobs, TokenTexts, chat_entries, merge_completion
+from inference.logprobs import (
+    CompletionLogprobs,
+    TokenTexts,
+    chat_entries,
+    echoed_prompt,
+    merge_completion,
+    vllm_prompt_logprobs,
+)
 from inference.service import Prepared
 from inference.tools import Delta, ForcedToolCallStream, ToolCall, call_ids, parser_for
 
@@ -106,13 +113,20 @@ class _Choice:
         self.prepared = prepared
         self.index = index
         self.chat = prepared.kind == "chat"
-        self.texts = _token_texts(prepared.model) if prepared.params.logprobs is not None \
-            else None
+        params = prepared.params
+        self.asked = params.logprobs is not None
+        self.texts = _token_texts(prepared.model) \
+            if self.asked or params.prompt_top is not None else None
         self.parts: list[str] = []  # the content the client sees
         self.tools = _ToolCalls(prepared, index) if prepared.tools is not None else None
         self.chat_logprobs: list[dict[str, Any]] = []
         self.completion_logprobs: list[dict[str, Any]] = []
-        self._offsets = CompletionLogprobs(self.texts) if self.texts else None
+        self.prompt = index // params.best_of  # the prompt it answers
+        self.echo = prepared.echo[self.prompt] if prepared.echo else ""
+        # The engine's logprobs of the prompt's tokens (completions that asked for them).
+        self.prompt_logprobs: list[Any] | None = None
+        # NOTE: an echoed completion's text starts after its prompt's.
+        self._offsets = CompletionLogprobs(self.texts, len(self.echo)) if self.asked else None
 
     def add(self, data: dict[str, Any]) -> list[Delta]:
         """Takes one delta event's data; what the client is sent for it."""
@@ -129,7 +143,7 @@ class _Choice:
     def logprobs_of(self, data: dict[str, Any]) -> dict[str, Any] | None:
         """The logprobs of one delta event's tokens as a chunk shows them, or None when none
         were asked for."""
-        if self.texts is None or "logprobs" not in data:
+        if not self.asked or "logprobs" not in data:
             return None
         ids = data.get("token_ids") or []
         if self.chat:
@@ -155,11 +169,24 @@ class _Choice:
         return message
 
     def logprobs(self) -> dict[str, Any] | None:
-        if self.texts is None:
+        if not self.asked:
             return None
         if self.chat:
             return {"content": self.chat_logprobs, "refusal": None}
-        return merge_completion(self.completion_logprobs)
+        parts = self.completion_logprobs
+        if self.echo and self.prompt_logprobs is not None:
+            parts = [echoed_prompt(self.texts, self.prepared.prompt_ids(self.prompt),
+                                   self.prompt_logprobs, self.prepared.params.logprobs),
+                     *parts]
+        return merge_completion(parts)
+
+    def vllm_prompt_logprobs(self) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs`` of the choice's prompt, when asked for."""
+        top = self.prepared.params.prompt_logprobs
+        if top is None or self.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.texts, self.prepared.prompt_ids(self.prompt),
+                                    self.prompt_logprobs, top)
 
 
 class _ChunkWriter:
@@ -269,6 +296,11 @@ async def collect(prepared: Prepared, dispatch: Dispatch) -> dict[str, Any]:
             choice = choices[int(event.data.get("index", 0))]
             choice.logprobs_of(event.data)
             choice.add(event.data)
+            if "prompt_logprobs" in event.data:
+                # NOTE: sent on the prompt's first choice; its other choices share them.
+                for sibling in choices.values():
+                    if sibling.prompt == choice.prompt:
+                        sibling.prompt_logprobs = event.data["prompt_logprobs"]
         elif event.is_final:
             raise_for_final(event)
             for choice in choices.values():
@@ -294,6 +326,8 @@ def _choice_object(prepared: Prepared, choice: _Choice, index: int, engine_reaso
     if prepared.kind == "chat":
         return {"index": index, "message": choice.message(), "logprobs": choice.logprobs(),
                 "finish_reason": reason, "stop_reason": stop_reason}
-    echo = prepared.echo[choice.index // prepared.params.best_of] if prepared.echo else ""
-    return {"text": echo + choice.text, "index": index,
-            "logprobs": choice.logprobs(), "finish_reason": reason, "stop_reason": stop_reason}
+    out = {"text": choice.echo + choice.text, "index": index,
+           "logprobs": choice.logprobs(), "finish_reason": reason, "stop_reason": stop_reason}
+    if prepared.params.prompt_logprobs is not None:
+        out["prompt_logprobs"] = choice.vllm_prompt_logprobs()
+    return out

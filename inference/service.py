@@ -85,6 +85,11 @@ class Prepared:
     def num_prompts(self) -> int:
         return 1 + len(self.engine_request.extra_prompts)
 
+    def prompt_ids(self, index: int) -> list[int]:
+        """Prompt ``index``'s token ids, as the engine ran them."""
+        request = self.engine_request
+        return request.prompt_token_ids if index == 0 else request.extra_prompts[index - 1]
+
     @property
     def response_id(self) -> str:
         """The id the client sees: the same string the engine, the ledger and the log use."""
@@ -330,7 +335,8 @@ def sampling_spec(params: p.GenerationParams) -> protocol.SamplingSpec:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
         min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
-        logprobs=params.logprobs, grammar=params.grammar, n=params.best_of)
+        logprobs=params.logprobs, grammar=params.grammar, n=params.best_of,
+        prompt_logprobs=params.prompt_top)
 
 
 def _check_token_controls(params: p.GenerationParams, model: ServedModel) -> None:

@@ -27,3 +27,18 @@ def check_json_schema(schema: Any, *, param: str = SCHEMA_PARAM) -> None:
     where = f"{param}.{problem.path}" if problem.path else param
     raise InvalidRequest(f"'{where}': {problem.message}", param=where,
                          code="unsupported_parameter" if problem.unsupported else "invalid_value")
+
+
+def grammar(response_format: Any) -> dict[str, Any] | None:
+    """A chat body's ``response_format`` (inference/params.py) as the engine takes it:
+    {"type": "json_object"} or {"type": "json_schema", "schema": {...}}; None: free text."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"type": "json_object"}
+    if response_format.json_schema is not None:
+        schema = response_format.json_schema.schema_
+        # NOTE: OpenAI lets the schema out; any JSON object then matches, as json_object.
+        return {"type": "json_object"} if schema is None else \
+            {"type": "json_schema", "schema": schema}
+    return None
