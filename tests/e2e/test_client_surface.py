@@ -1,0 +1,64 @@
+"""What clients call beside generation, against the real `atrium up` and its demo model:
+`/v1/models` metadata a client plans with, vLLM's /tokenize and /detokenize, and the
+prompt's logprobs (echo with logprobs, vLLM's prompt_logprobs) through the openai SDK,
+checked against the checkpoint read by `tokenizers` and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from tests.e2e.conftest import Atrium
+
+TEXT = "The baker carries bread to the market in the morning."
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+def _checkpoint(atrium: Atrium):
+    return next((atrium.home / "models").glob("atrium-demo-*"))
+
+
+def test_models_say_the_window_and_what_the_demo_model_supports(atrium: Atrium):
+    import json
+
+    config = json.loads((_checkpoint(atrium) / "config.json").read_text())
+    [model] = atrium.openai().models.list().data
+    extra = model.model_extra
+    assert extra["context_window"] == config["max_position_embeddings"]
+    assert 0 < extra["max_output_tokens"] < extra["context_window"]
+    assert extra["capabilities"]["chat_completions"] and extra["capabilities"]["logprobs"]
+
+
+def test_tokenize_and_detokenize_round_trip_as_the_checkpoints_tokenizer(atrium: Atrium):
+    tokenizer = Tokenizer.from_file(str(_checkpoint(atrium) / "tokenizer.json"))
+    with atrium.http() as client:
+        ids = client.post("/tokenize", json={"model": atrium.model, "prompt": TEXT}).json()
+        chat = client.post("/v1/tokenize", json={"messages": MESSAGES}).json()
+        back = client.post("/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert ids["tokens"] == tokenizer.encode(TEXT).ids and ids["count"] == len(ids["tokens"])
+    assert back["prompt"] == tokenizer.decode(ids["tokens"], skip_special_tokens=False)
+    answer = atrium.openai().chat.completions.create(model=atrium.model, messages=MESSAGES,
+                                                     max_tokens=1)
+    assert chat["count"] == answer.usage.prompt_tokens
+
+
+@pytest.mark.setups("embedded")  # the engine's arithmetic, the same on either setup
+def test_the_prompts_logprobs_are_transformers_log_softmax(atrium: Atrium):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = _checkpoint(atrium)
+    ids = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(TEXT).ids
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    res = atrium.openai().completions.create(
+        model=atrium.model, prompt=TEXT, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        extra_body={"prompt_logprobs": 1})
+    choice = res.choices[0]
+    echoed = choice.logprobs.token_logprobs[:len(ids)]
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert echoed[0] is None and vllm[0] is None
+    for j, token in enumerate(ids[1:]):
+        assert abs(echoed[j + 1] - float(expected[j][token])) < 1e-3
+        assert abs(vllm[j + 1][str(token)]["logprob"] - float(expected[j][token])) < 1e-3
