@@ -150,6 +150,11 @@ _.annotations
 _.audio
 _.strict
 
+# vLLM's /tokenize fields a chat request cannot render otherwise: declared so that only
+# their default passes, and another is a 400 naming them (inference/tokenizing.py).
+_.add_generation_prompt
+_.continue_final_message
+
 # Responses API fields Atrium does not serve: declared so that only their no-op values
 # pass, and any other is a 400 naming them (inference/protocols/responses_request.py).
 _.include_obfuscation

@@ -117,7 +117,8 @@ def run(install: bool) -> dict[str, float]:
         http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"},
                             timeout=60)
         lora = home / "lora"
-        _lora(next((home / "models").glob("atrium-demo-*")), lora)
+        _lora(next(p for p in (home / "models").glob("atrium-demo-*")
+                   if not p.name.startswith("atrium-demo-embedding-")), lora)
         began = time.monotonic()
         adapter = http.post("/api/v1/tenants/demo/adapters", data={"name": "first"}, files={
             "adapter_config": (lora / "adapter_config.json").read_bytes(),

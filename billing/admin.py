@@ -20,7 +20,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 @admin.register(Price)
 class PriceAdmin(ReadOnlyAdmin):
     list_display = ("model", "adapter", "currency", "input_per_million",
-                    "cached_input_per_million", "output_per_million", "effective_from")
+                    "cached_input_per_million", "output_per_million", "embedding_per_million",
+                    "effective_from")
 
 
 @admin.register(UsageRecord)

@@ -38,11 +38,13 @@ LEDGER_COLUMNS = (
     "request_id", "occurred_at", "recorded_at", "billing_period", "api_key_id",
     "api_key_prefix", "model", "adapter", "prompt_tokens", "cached_tokens",
     "completion_tokens", "finish_reason", "queue_ms", "ttft_ms", "total_ms", "currency",
-    "input_cost", "cached_input_cost", "output_cost", "cost", "price_id", "surcharge_id")
+    "input_cost", "cached_input_cost", "output_cost", "cost", "price_id", "surcharge_id",
+    "price_class")
+# NOTE: columns added later go last, so files read by position keep their meaning.
 INVOICE_COLUMNS = (
     "invoice", "status", "period_start", "period_end", "currency", "invoice_total", "line",
     "model", "adapter", "token_class", "units", "unit_price_per_million", "amount",
-    "exact_amount")
+    "exact_amount", "price_class")
 _TEXT = {"request_id", "api_key_prefix", "model", "adapter", "finish_reason"}
 
 
@@ -144,6 +146,7 @@ def meter_event(row: tuple, tenant_slug: str) -> dict[str, Any]:
             "cached_input_tokens": str(r["cached_tokens"]),
             "output_tokens": str(r["completion_tokens"]),
             "cost": str(r["cost"]), "currency": r["currency"],
+            "price_class": r["price_class"],
         },
     }
 
@@ -174,7 +177,7 @@ def invoice_documents(*, tenant_id: int, start: datetime, end: datetime) -> Iter
             "lines": [{"line": i, "model": x.model, "adapter": x.adapter,
                        "token_class": x.token_class, "units": x.units,
                        "unit_price_per_million": str(x.unit_price), "amount": str(x.amount),
-                       "exact_amount": str(x.exact_amount)}
+                       "exact_amount": str(x.exact_amount), "price_class": x.price_class}
                       for i, x in enumerate(view.lines, start=1)],
         }
 
@@ -187,7 +190,7 @@ def _invoices_csv(documents: Iterator[dict]) -> Iterator[list[list[str]]]:
         lines = doc["lines"] or [{}]
         yield [[*head, *(_cell(line.get(c)) for c in (
             "line", "model", "adapter", "token_class", "units", "unit_price_per_million",
-            "amount", "exact_amount"))] for line in lines]
+            "amount", "exact_amount", "price_class"))] for line in lines]
 
 
 def _invoices_jsonl(documents: Iterator[dict]) -> Iterator[list[dict]]:

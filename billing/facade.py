@@ -11,7 +11,8 @@ modules need none.
 
 from __future__ import annotations
 
+from billing.models import PRICE_CLASS_EMBEDDING
 from billing.pricing import FREE, Quote, quote
 from billing.selectors import tokens_used_between
 
-__all__ = ["FREE", "Quote", "quote", "tokens_used_between"]
+__all__ = ["FREE", "PRICE_CLASS_EMBEDDING", "Quote", "quote", "tokens_used_between"]

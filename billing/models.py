@@ -9,7 +9,11 @@ from django.utils import timezone
 from tenants.models import ApiKey, Plan, Tenant, TenantOwnedQuerySet
 
 PRICE_CLASS_INTERACTIVE, PRICE_CLASS_BATCH = "interactive", "batch"
-PRICE_CLASSES = [(PRICE_CLASS_INTERACTIVE, "interactive"), (PRICE_CLASS_BATCH, "batch")]
+PRICE_CLASS_EMBEDDING = "embedding"
+PRICE_CLASSES = [(PRICE_CLASS_INTERACTIVE, "interactive"), (PRICE_CLASS_BATCH, "batch"),
+                 (PRICE_CLASS_EMBEDDING, "embedding")]
+# The input token classes an embedding price replaces (an embedding has no output).
+_EMBEDDED_FIELDS = ("input_per_million", "cached_input_per_million")
 
 
 class Price(models.Model):
@@ -27,6 +31,10 @@ class Price(models.Model):
     output_per_million = models.DecimalField(max_digits=18, decimal_places=6)
     # The batch price class (the Batch API): this share of each price above.
     batch_ratio = models.DecimalField(max_digits=7, decimal_places=6, default=Decimal("0.5"))
+    # The embedding price class (/v1/embeddings): its inputs' price, cached or not.
+    # Null: embeddings are billed at input_per_million and cached_input_per_million.
+    embedding_per_million = models.DecimalField(max_digits=18, decimal_places=6, null=True,
+                                                blank=True)
     effective_from = models.DateTimeField()
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -39,6 +47,9 @@ class Price(models.Model):
                 & Q(output_per_million__gte=0), name="prices_are_not_negative"),
             models.CheckConstraint(condition=Q(batch_ratio__gte=0) & Q(batch_ratio__lte=1),
                                    name="batch_ratio_is_a_share"),
+            models.CheckConstraint(condition=Q(embedding_per_million__isnull=True)
+                                   | Q(embedding_per_million__gte=0),
+                                   name="embedding_price_is_not_negative"),
         ]
         indexes = [models.Index(fields=["model", "adapter", "currency", "-effective_from"])]
 
@@ -49,7 +60,12 @@ class Price(models.Model):
     def per_million(self, field: str, price_class: str) -> Decimal:
         """A token class's price (``input_per_million`` ...) in ``price_class``."""
         value = getattr(self, field)
-        return value * self.batch_ratio if price_class == PRICE_CLASS_BATCH else value
+        if price_class == PRICE_CLASS_BATCH:
+            return value * self.batch_ratio
+        if price_class == PRICE_CLASS_EMBEDDING and field in _EMBEDDED_FIELDS \
+                and self.embedding_per_million is not None:
+            return self.embedding_per_million
+        return value
 
 
 class UsageRecord(models.Model):
@@ -64,7 +80,8 @@ class UsageRecord(models.Model):
     adapter = models.CharField(max_length=200, blank=True, default="")
     # The request's ``user`` (an end user of the tenant's app): what its budgets count.
     end_user = models.CharField(max_length=256, blank=True, default="")
-    # A batch line (the Batch API) is billed at its prices' batch_ratio.
+    # A batch line (the Batch API) is billed at its prices' batch_ratio; an embedding
+    # (/v1/embeddings) at their embedding_per_million, where set.
     price_class = models.CharField(max_length=16, choices=PRICE_CLASSES,
                                    default=PRICE_CLASS_INTERACTIVE)
     prompt_tokens = models.PositiveIntegerField()

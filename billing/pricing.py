@@ -19,7 +19,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.utils import timezone
 
-from billing.models import PRICE_CLASS_BATCH, PRICE_CLASS_INTERACTIVE
+from billing.models import PRICE_CLASS_BATCH, PRICE_CLASS_EMBEDDING, PRICE_CLASS_INTERACTIVE
 from billing.money import PER, micros, token_cost
 from billing.services.prices import PriceIndex
 
@@ -51,15 +51,20 @@ class Quote:
 
 
 FREE = Quote()
-_cache: dict[tuple[str, str, bool], tuple[float, Quote]] = {}
+_cache: dict[tuple[str, str, str], tuple[float, Quote]] = {}
 _lock = threading.Lock()
 
 
-def quote(model: str, adapter: str = "", *, batch: bool = False) -> Quote:
+def quote(model: str, adapter: str = "", *, batch: bool = False,
+          embedding: bool = False) -> Quote:
     """The price in effect now for ``model`` (and ``adapter``'s surcharge), in the batch
-    price class when ``batch``; free when none.
+    price class when ``batch``, the embedding one when ``embedding``; free when none.
     NOTE: a database read at most every QUOTE_TTL_S: call it off the event loop."""
-    key = (model, adapter, batch)
+    if batch and embedding:
+        raise ValueError("a request is billed in one price class: batch or embedding")
+    klass = PRICE_CLASS_BATCH if batch else \
+        PRICE_CLASS_EMBEDDING if embedding else PRICE_CLASS_INTERACTIVE
+    key = (model, adapter, klass)
     now = time.monotonic()
     cached = _cache.get(key)
     if cached is not None and cached[0] > now:
@@ -68,7 +73,6 @@ def quote(model: str, adapter: str = "", *, batch: bool = False) -> Quote:
     moment = timezone.now()
     found = [p for p in (index.at(model, "", moment),
                          index.at(model, adapter, moment) if adapter else None) if p]
-    klass = PRICE_CLASS_BATCH if batch else PRICE_CLASS_INTERACTIVE
 
     def total(field: str) -> Decimal:
         return sum((p.per_million(field, klass) for p in found), Decimal(0))

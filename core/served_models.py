@@ -73,6 +73,12 @@ class ServedModel:
     tool_format: str | None = None
     # A named "tool_use" template, which transformers prefers whenever tools are given.
     tool_chat_template: jinja2.Template | None = None
+    # What it answers: generation, embeddings, or both (a generative model the operator
+    # turned embeddings on for: ATRIUM_EMBEDDING_MODELS). A checkpoint in the
+    # sentence-transformers layout embeds only.
+    generates: bool = True
+    embeds: bool = False
+    hidden_size: int = 0  # an embedding's dimensions
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
@@ -177,7 +183,8 @@ def _compile(source: str | None) -> jinja2.Template | None:
     return env.from_string(source)
 
 
-def load_served_model(path: Path, name: str) -> ServedModel:
+def load_served_model(path: Path, name: str, *, embeds: bool = False) -> ServedModel:
+    """``embeds``: a generative model that answers embeddings too."""
     config = json.loads((path / "config.json").read_text())
     tok_config_path = path / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
@@ -197,6 +204,9 @@ def load_served_model(path: Path, name: str) -> ServedModel:
         created=int((path / "config.json").stat().st_mtime),
         tool_format=_tool_format(tok_config, [s for s in (template_source, tool_source) if s]),
         tool_chat_template=_compile(tool_source),
+        generates=not (path / "modules.json").exists(),
+        embeds=embeds or (path / "modules.json").exists(),
+        hidden_size=int(config.get("hidden_size") or 0),
     )
 
 
@@ -217,4 +227,5 @@ def model_paths() -> dict[str, Path]:
 
 @cache
 def served_models() -> dict[str, ServedModel]:
-    return {name: load_served_model(path, name) for name, path in model_paths().items()}
+    return {name: load_served_model(path, name, embeds=name in settings.ATRIUM_EMBEDDING_MODELS)
+            for name, path in model_paths().items()}

@@ -50,6 +50,9 @@ class ScheduledRequest:
     # Speculative decoding: token_ids is [the last token] + draft, and the runner keeps
     # each draft token the model itself chooses (RunnerOutput.speculated).
     draft: list[int] = field(default_factory=list)
+    # An embedding input (engine/embedding.py): never sampled (no logits are computed for
+    # it); its rows are pooled into this state, and ``sample`` marks its last chunk.
+    embedding: Any = None
 
     @property
     def is_decode(self) -> bool:

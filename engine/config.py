@@ -45,6 +45,9 @@ class EngineConfig:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 4
+    # A generative checkpoint answers embed requests too (last-token pooling, normalised:
+    # engine/pooling.py); a sentence-transformers checkpoint answers them whatever this says.
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

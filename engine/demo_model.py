@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 # the chat template lives in tokenizer_config.json): it is part of the cache key.
 # 3: the chat template renders tools, tool calls and tool responses (Hermes format).
 BUILDER_VERSION = 3
+# The same for the files that make a checkpoint an embedding model (``build_embedding_model``).
+EMBEDDING_BUILDER_VERSION = 1
 DEMO_SEED = 0
 # The BPE trainer stops earlier (about 1,500) once the corpus runs out of merges.
 VOCAB_TARGET = 1536
@@ -96,6 +98,53 @@ def build_model(out_dir: Path, *, size: str = "tiny", seed: int = 0,
     for path in out_dir.iterdir():
         path.chmod(0o644)
     return out_dir
+
+
+def build_embedding_model(out_dir: Path, *, seed: int = 0, size: str = "tiny",
+                          pooling: str = "mean", normalize: bool = True) -> Path:
+    """Writes an embedding model in the sentence-transformers layout into ``out_dir`` and
+    returns it: ``build_model``'s checkpoint (the demo tokenizer, LlamaForCausalLM weights)
+    with a Pooling module (``pooling``: "mean", "cls" or "lasttoken") and, with
+    ``normalize``, a Normalize one. It loads in ``SentenceTransformer(out_dir)``."""
+    out_dir = build_model(out_dir, size=size, seed=seed)
+    write_sentence_transformers_files(out_dir, pooling=pooling, normalize=normalize)
+    return out_dir
+
+
+_POOLING_FLAGS = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
+                  "lasttoken": "pooling_mode_lasttoken"}
+_OTHER_POOLING_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                        "pooling_mode_weightedmean_tokens")
+
+
+def write_sentence_transformers_files(model_dir: Path, *, pooling: str = "mean",
+                                      normalize: bool = True) -> None:
+    """The files beside a checkpoint that make it a sentence-transformers model, in the
+    layout most published ones have (that of sentence-transformers before 6, which 6 reads)."""
+    if pooling not in _POOLING_FLAGS:
+        raise ValueError(f"pooling must be cls, mean or lasttoken, got {pooling!r}")
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:  # NOTE: a Normalize module has no files of its own
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (model_dir / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    _write_json(model_dir / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": config["hidden_size"], "include_prompt": True,
+        **dict.fromkeys(_OTHER_POOLING_FLAGS, False),
+        **{flag: mode == pooling for mode, flag in _POOLING_FLAGS.items()}})
+    _write_json(model_dir / "sentence_bert_config.json", {
+        "max_seq_length": config["max_position_embeddings"], "do_lower_case": False})
+    _write_json(model_dir / "config_sentence_transformers.json", {
+        "__version__": {"sentence_transformers": "6.0.1"}, "prompts": {},
+        "default_prompt_name": None, "similarity_fn_name": "cosine"})
+    for path in [*model_dir.iterdir(), *(model_dir / "1_Pooling").iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def train_tokenizer(seed: int) -> Tokenizer:
@@ -214,7 +263,35 @@ def ensure_demo_model(home: Path | str | None = None) -> Path:
     place, so a crashed build leaves no half model. Processes sharing the models folder
     build it once: the others wait for that build (a lock on the folder) and use it.
     """
-    target = demo_model_dir(home)
+    return _ensure(demo_model_dir(home),
+                   lambda tmp: build_model(tmp, size="demo", seed=DEMO_SEED))
+
+
+def demo_embedding_model_dir(home: Path | str | None = None) -> Path:
+    """Where the demo embedding model made from the current demo model lives."""
+    key = json.dumps({"builder": EMBEDDING_BUILDER_VERSION, "base": demo_model_dir(home).name})
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return atrium_home(home) / "models" / f"atrium-demo-embedding-{digest}"
+
+
+def ensure_demo_embedding_model(home: Path | str | None = None) -> Path:
+    """Returns the cached demo embedding model (``ensure_demo_model``'s tokenizer and
+    weights in the sentence-transformers layout: mean pooling, normalised), building it
+    first, and the demo model first of all if need be, as ``ensure_demo_model`` does."""
+    target = demo_embedding_model_dir(home)
+    if (target / "config.json").exists():
+        return target
+    base = ensure_demo_model(home)  # NOTE: before _ensure's locks, which it takes too
+
+    def build(tmp: Path) -> None:
+        for path in base.iterdir():
+            shutil.copy2(path, tmp / path.name)
+        write_sentence_transformers_files(tmp)
+
+    return _ensure(target, build)
+
+
+def _ensure(target: Path, build: Callable[[Path], object]) -> Path:
     if (target / "config.json").exists():
         return target
     # NOTE: one build per process: a web process's first requests (every /readyz poll)
@@ -222,7 +299,7 @@ def ensure_demo_model(home: Path | str | None = None) -> Path:
     with _BUILDING, _folder_locked(target.parent):
         if (target / "config.json").exists():
             return target
-        return _build_demo_model(target)
+        return _build_into(target, build)
 
 
 @contextlib.contextmanager
@@ -237,12 +314,12 @@ def _folder_locked(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _build_demo_model(target: Path) -> Path:
+def _build_into(target: Path, build: Callable[[Path], object]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=target.parent))
     try:
-        build_model(tmp, size="demo", seed=DEMO_SEED)
+        build(tmp)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, target)
@@ -269,9 +346,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pooling", choices=("mean", "cls", "lasttoken"),
+                        help="an embedding model in the sentence-transformers layout, pooled "
+                             "so (normalised)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    path = build_model(args.out_dir, size=args.size, seed=args.seed)
+    if args.pooling:
+        path = build_embedding_model(args.out_dir, size=args.size, seed=args.seed,
+                                     pooling=args.pooling)
+    else:
+        path = build_model(args.out_dir, size=args.size, seed=args.seed)
     print(f"built {args.size} model in {time.perf_counter() - started:.1f}s: {path}")
 
 

@@ -305,6 +305,8 @@ class EventWriter:
                 data["stop_reason"] = out.stop_reason
             if out.choices is not None:
                 data["choices"] = out.choices
+            if out.embeddings is not None:
+                data["embeddings"] = out.embeddings
             event = self._append(batch, out.request_id, protocol.EV_FINISH, data)
         self._report_usage(batch, state.request, event)
         self._acknowledge(batch, self.open.pop(out.request_id).entry)

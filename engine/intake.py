@@ -98,10 +98,10 @@ class Intake:
 
 def _several_choices(request: protocol.EngineRequest) -> bool:
     """The request asks for more than one choice, within the limits (its final event lists
-    them)."""
+    them). An embed request has none: one vector per input."""
     n, extra = request.sampling.n, len(request.extra_prompts)
-    return 1 <= n <= MAX_N and extra <= protocol.MAX_EXTRA_PROMPTS and \
-        1 < request.num_choices <= protocol.MAX_CHOICES
+    return request.task == protocol.TASK_GENERATE and 1 <= n <= MAX_N and \
+        extra <= protocol.MAX_EXTRA_PROMPTS and 1 < request.num_choices <= protocol.MAX_CHOICES
 
 
 def _request_id_of(fields: Any) -> str | None:

@@ -71,9 +71,12 @@ class KVCacheManager:
         NOTE: a sequence still gathering prompt logprobs finds nothing: each prompt
         position's logits are needed, and a cached position is never run. Its blocks are
         still cached for others (``cache_full_blocks``); once it has them all (a preempted
-        one readmitted), it reads the cache like any other.
+        one readmitted), it reads the cache like any other. Nor does an embedding input:
+        mean pooling sums the hidden state of every position and cls pooling takes the
+        first's, and a cached position's is never computed.
         """
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs \
+                or seq.embedding is not None:
             return [], 0
         self._hash_full_blocks(seq, (seq.num_tokens - 1) // self.block_size)
         hits = []

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from engine import parallel, protocol
 from engine.config import EngineConfig, eos_token_ids
 from engine.detokenizer import IncrementalDetokenizer
+from engine.embedding import settle, start_inputs
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.lifecycle import AdapterLifecycle
 from engine.lora.store import AdapterStore
@@ -29,6 +30,7 @@ from engine.metrics import EngineMetrics
 from engine.model_runner import DTYPES, ModelRunner
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
+from engine.pooling import GENERATIVE, read_max_seq_length, read_pooling
 from engine.prefix_hash import PrefixSummary, cache_scope
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, usage_of
@@ -47,7 +49,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
+        # Embeddings (engine/pooling.py): a sentence-transformers checkpoint serves only them,
+        # a generative one too when the operator turned them on.
+        declared = read_pooling(config.model_dir)
+        self.generates = declared is None and self.model_config.has_lm_head
+        self.pooling = declared or (GENERATIVE if config.embeddings else None)
+        if not self.generates and self.pooling is None:
+            raise ValueError(f"{config.model_dir} has no language-model head: it can only "
+                             f"embed, and embeddings are off (--embeddings)")
+        self._embedding: dict[str, list[Sequence]] = {}  # open embed requests' inputs
         limit = self.model_config.max_position_embeddings
+        if (longest_input := read_max_seq_length(config.model_dir)) is not None:
+            limit = min(limit, longest_input)  # a sentence-transformers model's own cap
         self.max_model_len = min(config.max_model_len or limit, limit)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover the "
@@ -70,7 +83,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len,
                                   enable_lora=self.adapters is not None,
-                                  clock=self.metrics.clock)
+                                  clock=self.metrics.clock, generates=self.generates)
         if self.adapters is not None:
             self.adapters.start(self.runner)  # the pinned ones, before any request
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
@@ -80,7 +93,8 @@ class LLMEngine:
         self._grammars: Grammars | None = None
         self._grammars_setup = threading.Thread(target=self._set_up_grammars,
                                                 name="grammar-setup", daemon=True)
-        self._grammars_setup.start()
+        if self.generates:  # an embedding model constrains no output
+            self._grammars_setup.start()
         self._compiling: dict[str, tuple[Sequence, Future]] = {}
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs,
@@ -103,6 +117,11 @@ class LLMEngine:
     # -- EngineCore -----------------------------------------------------------------------
 
     def add_request(self, request: protocol.EngineRequest) -> None:
+        if request.task == protocol.TASK_EMBED:
+            self._add_embed_request(request)
+            return
+        if not self.generates:
+            raise ValueError(f"model {request.model} serves embeddings only")
         params = SamplingParams.from_spec(request.sampling)
         params.min_tokens_masked = frozenset(self.eos_token_ids | set(params.stop_token_ids))
         prompt, extra = request.prompt_token_ids, request.extra_prompts
@@ -126,6 +145,31 @@ class LLMEngine:
                 request.sampling.grammar, tenant=request.tenant_id))
         else:
             self._enqueue(seq)
+
+    def _add_embed_request(self, request: protocol.EngineRequest) -> None:
+        """Queues an embed request: a sequence per input (engine/embedding.py)."""
+        if self.pooling is None:
+            raise ValueError(f"model {request.model} does not serve embeddings")
+        inputs, most = [request.prompt_token_ids, *request.extra_prompts], \
+            1 + protocol.max_extra_prompts(request.task)
+        if len(inputs) > most:
+            raise ValueError(f"{len(inputs)} inputs exceed the {most} an embed request may have")
+        for i, tokens in enumerate(inputs):
+            self._check_prompt(tokens, f"input {i}" if len(inputs) > 1 else "the input", 0)
+        if request.adapter_hash is not None:
+            self._check_adapter(request)
+        self._check_id(request.request_id, len(inputs))
+        # NOTE: the sampling spec is not read: an input samples nothing.
+        seq = Sequence(
+            request_id=request.request_id, token_ids=list(inputs[0]),
+            num_prompt_tokens=len(inputs[0]), params=SamplingParams(max_tokens=1), seed=0,
+            tenant_id=request.tenant_id, priority=request.priority,
+            cache_scope=cache_scope(request.tenant_id, request.cache_salt,
+                                    request.adapter_hash or request.adapter),
+            deadline=request.deadline, adapter_hash=request.adapter_hash)
+        members = start_inputs(seq, inputs[1:], self.pooling)
+        self._enqueue(seq)
+        self._embedding[request.request_id] = members
 
     def _enqueue(self, seq: Sequence) -> None:
         # A sequence whose adapter is still loading joins the queue once it is in host memory
@@ -151,7 +195,7 @@ class LLMEngine:
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Refuses (ValueError) a request with more choices than allowed, or with a prompt
         this engine could never run."""
-        if len(prompts) > 1 + protocol.MAX_EXTRA_PROMPTS:
+        if len(prompts) > 1 + protocol.max_extra_prompts(protocol.TASK_GENERATE):
             raise ValueError(f"{len(prompts)} prompts exceed the "
                              f"{1 + protocol.MAX_EXTRA_PROMPTS} a request may have")
         if len(prompts) * params.n > protocol.MAX_CHOICES:
@@ -163,10 +207,12 @@ class LLMEngine:
             raise ValueError(f"n={params.n} choices exceed the {self.config.max_num_seqs} "
                              f"sequences this engine runs at once")
         for p, prompt in enumerate(prompts):
-            self._check_prompt(prompt, params, f"prompt {p}" if len(prompts) > 1 else "the prompt")
+            self._check_prompt(prompt, f"prompt {p}" if len(prompts) > 1 else "the prompt",
+                               params.max_tokens)
 
-    def _check_prompt(self, prompt: list[int], params: SamplingParams, what: str) -> None:
-        """Refuses (ValueError) a prompt (``what``) this engine could never run."""
+    def _check_prompt(self, prompt: list[int], what: str, max_tokens: int) -> None:
+        """Refuses (ValueError) a prompt (``what``) this engine could never run with up to
+        ``max_tokens`` of output (0: an embedding input, which has none)."""
         if not isinstance(prompt, list):
             raise ValueError(f"{what} must be an array of token ids")
         if not prompt:
@@ -174,10 +220,11 @@ class LLMEngine:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
                    for t in prompt):
             raise ValueError(f"{what}'s token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"{what} has {len(prompt)} tokens; this model's context "
-                             f"holds {self.max_model_len} including the output")
-        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if len(prompt) + min(max_tokens, 1) > self.max_model_len:
+            output = " including the output" if max_tokens else ""
+            raise ValueError(f"{what} has {len(prompt)} tokens; this model's context holds "
+                             f"{self.max_model_len}{output}")
+        longest = min(len(prompt) + max_tokens, self.max_model_len)
         if self.kv.blocks_needed(longest) > self.kv.num_blocks:
             # NOTE: refused up front: a sequence that cannot fit alone would preempt itself
             # forever once it grew past the pool.
@@ -199,8 +246,8 @@ class LLMEngine:
                                  usage=usage_of(seq), choices=parallel.choices_of(seq, reason))
         loading = self.adapters.abort(request_id, reason) if self.adapters else None
         if loading is not None:
-            return self._let_go_of_adapters([loading])[0]
-        return self._let_go_of_adapters([self.scheduler.abort(request_id, reason)])[0]
+            return self._settle([loading])[0]
+        return self._settle([self.scheduler.abort(request_id, reason)])[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._num_loading() > 0
@@ -234,7 +281,7 @@ class LLMEngine:
         clock.lap("schedule")
         if not batch.requests:
             self._keep_accepted_drafts(None, None)
-            return self._let_go_of_adapters(outputs)
+            return self._settle(outputs)
         try:
             if self.adapters is not None:
                 self.adapters.fill_slots(self.runner, batch.requests)
@@ -249,7 +296,7 @@ class LLMEngine:
             self.kv.pool.reset_cache()
             failed = [self.scheduler.abort(r.request_id, None, error=message)
                       for r in batch.requests]  # None for a request another row ended
-            return self._let_go_of_adapters(outputs + [out for out in failed if out is not None])
+            return self._settle(outputs + [out for out in failed if out is not None])
         self.metrics.record_step(
             prompt_tokens=sum(len(r.token_ids) for r in batch.requests
                               if not r.is_decode and not r.draft),
@@ -266,7 +313,7 @@ class LLMEngine:
             self.governor.record(drafting=any(r.draft for r in rows), rows=len(rows),
                                  tokens=sampled.num_sampled,
                                  seconds=time.perf_counter() - began)
-        return self._let_go_of_adapters(outputs)
+        return self._settle(outputs)
 
     def _keep_prompt_logprobs(self, batch: SchedulerOutput, ran: RunnerOutput
                               ) -> list[Sequence]:
@@ -301,7 +348,8 @@ class LLMEngine:
     def grammars(self) -> Grammars:
         """The model's grammar compiler; ValueError (the request's 400) if it could not be
         built. Waits for the set-up only when a grammar is asked for in the first seconds."""
-        self._grammars_setup.join()
+        if self._grammars_setup.ident is not None:
+            self._grammars_setup.join()
         if self._grammars is None:
             raise ValueError("response_format cannot be enforced: structured outputs are "
                              "unavailable on this engine (see its log)")
@@ -361,12 +409,12 @@ class LLMEngine:
             self.scheduler.add(seq)
         return outputs
 
-    def _let_go_of_adapters(self, outputs: list[RequestOutput | None]
-                            ) -> list[RequestOutput | None]:
-        """Lets go of the adapters of sequences that just finished."""
+    def _settle(self, outputs: list[RequestOutput | None]) -> list[RequestOutput | None]:
+        """Every output on its way out: lets go of the adapters of sequences that just
+        finished; an embed request's become its one final output, with its vectors."""
         if self.adapters is not None:
             self.adapters.release_finished(outputs)
-        return outputs
+        return settle(outputs, self._embedding) if self._embedding else outputs
 
     # -- observability --------------------------------------------------------------------
 

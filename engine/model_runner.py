@@ -23,6 +23,7 @@ from engine.batch import (
     SchedulerOutput,
 )
 from engine.config import EngineConfig
+from engine.embedding import pool_rows
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
 from engine.lora.adapter import LoRAAdapter
@@ -44,9 +45,12 @@ PROMPT_LOGPROB_ROWS = 256
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, *,
-                 enable_lora: bool = False, clock: PhaseClock | None = None) -> None:
+                 enable_lora: bool = False, clock: PhaseClock | None = None,
+                 generates: bool = True) -> None:
         """With ``enable_lora``, ``config.max_loras`` LoRA slots are allocated on the device.
-        ``run`` laps ``clock`` (the engine's) at its inputs, forward pass and sampling."""
+        ``run`` laps ``clock`` (the engine's) at its inputs, forward pass and sampling.
+        Without ``generates`` (an embedding model) it computes no logits, and holds no
+        lm_head."""
         self.config = config
         self.clock = clock or PhaseClock()
         self.device = torch.device(config.device)
@@ -55,7 +59,8 @@ class ModelRunner:
         self.use_triton = (self.device.type == "cuda") if config.use_triton is None \
             else config.use_triton
         self.model = LlamaForCausalLM(model_config, max_positions=max_model_len,
-                                      dtype=self.dtype, device=self.device)
+                                      dtype=self.dtype, device=self.device,
+                                      with_lm_head=generates)
         load_weights(self.model, config.model_dir)
         self.model.eval()
         self.vocab_size = model_config.vocab_size  # the logits' width
@@ -163,7 +168,9 @@ class ModelRunner:
         lora = None
         if any(slot >= 0 for slot in row_slots):
             lora = LoRABatch(self.lora, Segments.from_row_slots(row_slots, device))
-        sampling = [i for i in range(len(reqs)) if reqs[i].sample and not reqs[i].draft]
+        # NOTE: an embedding row is never sampled: no logits (lm_head) are computed for it.
+        sampling = [i for i in range(len(reqs))
+                    if reqs[i].sample and not reqs[i].draft and reqs[i].embedding is None]
         speculating = [i for i in range(len(reqs)) if reqs[i].draft]
         rows, source = _sampling_rows(reqs, sampling)
         masks = self._fill_masks(rows)
@@ -181,6 +188,7 @@ class ModelRunner:
             out = _sample(logits, reqs, sampling, rows, masks.result() if masks else None)
         if speculating:
             self._verify(hidden, reqs, speculating, last_row, out)
+        pool_rows(hidden, reqs, last_row, out.sampled)  # embedding inputs' rows
         out.prompt_logprobs = self._prompt_logprobs(hidden, reqs, last_row)
         self.clock.lap("sample")
         return out

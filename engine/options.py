@@ -61,6 +61,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-max-batch", type=int,
                         default=int(env("ATRIUM_SPECULATIVE_MAX_BATCH", "4")),
                         help="no sequence speculates while more than this many decode")
+    parser.add_argument("--embeddings", action="store_true",
+                        default=env("ATRIUM_ENGINE_EMBEDDINGS", "").lower() in ("1", "true"),
+                        help="a generative model answers embed requests too: the last "
+                             "token's final hidden state, normalised (default: "
+                             "ATRIUM_ENGINE_EMBEDDINGS=1); a sentence-transformers "
+                             "checkpoint serves embeddings only, whatever this says")
     parser.add_argument("--drain-seconds", type=float,
                         default=float(env("ATRIUM_DRAIN_S", "30")),
                         help="on SIGTERM: take nothing new and finish what is held for up to "
@@ -112,7 +118,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             adapter_fetch_url=args.adapter_fetch_url,
             engine_token=os.environ.get("ATRIUM_ENGINE_TOKEN", ""),
             speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-            speculative_max_batch=args.speculative_max_batch))
+            speculative_max_batch=args.speculative_max_batch, embeddings=args.embeddings))
 
     return factory
 

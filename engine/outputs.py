@@ -51,6 +51,24 @@ class RequestOutput:
     # (p * n) after its prompt ran: one per prompt token after the first ([] for a 1-token
     # prompt).
     prompt_logprobs: list[PromptLogprob] | None = None
+    # An embed request's final output (finish_reason "stop"): each input's vector, base64
+    # of little-endian float32, in input order (protocol.EV_FINISH).
+    embeddings: list[str] | None = None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput | None:
+    """One step's outputs of one sequence as one: their text and tokens in order, and how
+    the last one ended."""
+    if len(outputs) <= 1:
+        return outputs[0] if outputs else None
+    last = outputs[-1]
+    last.text_delta = "".join(out.text_delta for out in outputs)
+    last.token_ids = [t for out in outputs for t in out.token_ids]
+    # NOTE: only a step's last token can lack logprobs (an EOS or stop token ends it), so
+    # the list stays aligned with token_ids, as the platform reads it.
+    logprobs = [out.logprobs for out in outputs if out.logprobs is not None]
+    last.logprobs = [lp for group in logprobs for lp in group] if logprobs else None
+    return last
 
 
 class EngineCore(Protocol):

@@ -187,6 +187,21 @@ class SamplingSpec:
 MAX_EXTRA_PROMPTS = 15
 MAX_CHOICES = 64
 
+# What a request asks of the engine (EngineRequest.task).
+TASK_GENERATE = "generate"  # text from each prompt: deltas, then the final event
+# One vector per input (``prompt_token_ids``, then each of ``extra_prompts``): no delta, and
+# the final event carries them ("embeddings"); the sampling spec is not read.
+TASK_EMBED = "embed"
+TASKS = (TASK_GENERATE, TASK_EMBED)
+# An embed request's inputs after ``prompt_token_ids``, at most (OpenAI's /v1/embeddings
+# takes lists of inputs; 256 in all).
+MAX_EMBED_INPUTS = 255
+
+
+def max_extra_prompts(task: str) -> int:
+    """How many ``extra_prompts`` a request of ``task`` may have."""
+    return MAX_EMBED_INPUTS if task == TASK_EMBED else MAX_EXTRA_PROMPTS
+
 
 # The priority class of batch requests (the Batch API): below every plan's, so the
 # scheduler serves them only from capacity interactive requests leave, and preempts them
@@ -215,7 +230,7 @@ class EngineRequest:
     # The ledger's key for this request's usage when it is not ``request_id``: a batch
     # line's, the same for each attempt at it, so a line is billed once.
     usage_id: str | None = None
-    price_class: str = "interactive"  # or "batch": the price book's class it is billed at
+    price_class: str = "interactive"  # "batch", "embedding": the price book's class it bills at
     priority: int = 0  # lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
     arrival: float = field(default_factory=time.time)
@@ -230,6 +245,10 @@ class EngineRequest:
     # The W3C traceparent of the web tier's span for this request, when tracing is on: the
     # engine's spans are its children (docs/observability.md).
     traceparent: str | None = None
+    # TASK_GENERATE or TASK_EMBED (absent in an earlier version's message: generate). An
+    # embed request's inputs are ``prompt_token_ids`` then each of ``extra_prompts`` (at most
+    # MAX_EMBED_INPUTS of those); ``sampling`` is not read (the platform sends max_tokens 1).
+    task: str = TASK_GENERATE
 
     def encode(self) -> dict[str, str]:
         return {"data": json.dumps(asdict(self), separators=(",", ":"))}
@@ -255,6 +274,8 @@ class EngineRequest:
                              f"{notify_stream(request.model, '…')}")
         if request.traceparent is not None and len(request.traceparent) > TRACEPARENT_MAX:
             raise ValueError(f"request.traceparent is longer than {TRACEPARENT_MAX} characters")
+        if request.task not in TASKS:
+            raise ValueError(f"request.task must be one of {', '.join(TASKS)}")
         return request
 
 
@@ -271,6 +292,10 @@ EV_ACCEPTED = "accepted"  # data: {"engine_id"}
 EV_DELTA = "delta"
 # data: {"finish_reason", "usage": {...}}, and with more than one choice, "choices": one
 # {"index", "finish_reason", "cumulative_logprob"} per choice; always the last event.
+# An embed request's (TASK_EMBED, which has no delta) that finished "stop" also carries
+# "embeddings": one string per input, in input order, each the base64 of its vector as
+# little-endian float32 (OpenAI's encoding_format "base64"); its usage counts every input's
+# tokens as prompt_tokens, completion_tokens 0.
 EV_FINISH = "finish"
 EV_ERROR = "error"  # data: {"code", "message", "usage"}; always the last event
 

@@ -61,6 +61,9 @@ class ReferenceEngine(PlainEngine):
         self.running: _Active | None = None
 
     def add_request(self, request: protocol.EngineRequest) -> None:
+        if request.task != protocol.TASK_GENERATE:
+            raise ValueError(f"model {request.model} does not serve embeddings (not on the "
+                             f"reference engine)")
         params = SamplingParams.from_spec(request.sampling)
         params.min_tokens_masked = frozenset(self.eos_token_ids | set(params.stop_token_ids))
         prompt = request.prompt_token_ids

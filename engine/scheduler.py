@@ -32,7 +32,7 @@ from engine.fair_queue import FairQueue
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.slots import AdapterSlots
 from engine.metrics import EngineMetrics
-from engine.outputs import RequestOutput, Usage
+from engine.outputs import RequestOutput, Usage, merge_outputs
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -267,6 +267,8 @@ class Scheduler:
             if failure is not None:
                 outputs.append(self.abort(seq.request_id, None, error=failure))
                 continue
+            if req.embedding is not None and req.sample:  # the input's vector is made
+                outputs.append(self._finish(seq, protocol.FINISH_STOP))
             if not req.sample or token is None:
                 continue
             # NOTE: the choices fork before the prompt's sequence takes its token: its first
@@ -378,7 +380,7 @@ class Scheduler:
             adapter_slot=seq.adapter_slot, adapter_hash=seq.adapter_hash,
             history=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
             grammar=seq.grammar, fork_seeds=fork_seeds, fork_grammars=fork_grammars,
-            sampled_logprob=seq.group is not None)
+            sampled_logprob=seq.group is not None, embedding=seq.embedding)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop its KV; it runs prompt + output again when readmitted."""
@@ -462,21 +464,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.sequences[seq.request_id]
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput | None:
-    """One step's outputs of one sequence as one: their text and tokens in order, and how
-    the last one ended."""
-    if len(outputs) <= 1:
-        return outputs[0] if outputs else None
-    last = outputs[-1]
-    last.text_delta = "".join(out.text_delta for out in outputs)
-    last.token_ids = [t for out in outputs for t in out.token_ids]
-    # NOTE: only a step's last token can lack logprobs (an EOS or stop token ends it), so
-    # the list stays aligned with token_ids, as the platform reads it.
-    logprobs = [out.logprobs for out in outputs if out.logprobs is not None]
-    last.logprobs = [lp for group in logprobs for lp in group] if logprobs else None
-    return last
 
 
 def usage_of(seq: Sequence) -> Usage:

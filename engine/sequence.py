@@ -65,6 +65,9 @@ class Sequence:
     # prompt_logprobs[j] is prompt token j + 1's. Sent once, when all are in.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # An embed request's input (engine/embedding.py, PooledInput): its prompt is run and
+    # pooled into a vector, nothing is sampled, and it ends once its last chunk has run.
+    embedding: Any = None
 
     @property
     def reported_id(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from inference.embeddings import EmbeddingBody
 from inference.params import ChatCompletionBody, CompletionBody
 from inference.protocols.messages import CountBody, CreateBody
 from inference.protocols.responses_request import ResponseBody
@@ -76,7 +77,8 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
     bodies = {"ChatCompletionBody": ChatCompletionBody, "CompletionBody": CompletionBody,
               "ResponseBody": ResponseBody, "MessageBody": CreateBody,
               "MessageCountBody": CountBody, "TokenizePromptBody": TokenizePromptBody,
-              "TokenizeChatBody": TokenizeChatBody, "DetokenizeBody": DetokenizeBody}
+              "TokenizeChatBody": TokenizeChatBody, "DetokenizeBody": DetokenizeBody,
+              "EmbeddingBody": EmbeddingBody}
     for name, model in bodies.items():
         schema = model.model_json_schema(ref_template=_REF)
         for part, part_schema in schema.pop("$defs", {}).items():
@@ -123,6 +125,8 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any,
         **{f"{prefix}/detokenize": _create(
             f"detokenize{name}", "Token ids as text (vLLM's shape; not billed)",
             "DetokenizeBody") for prefix, name in (("/v1", ""), ("", "_unprefixed"))},
+        "/v1/embeddings": _create("embedding_create", "Create embeddings of one or more "
+                                  "inputs", "EmbeddingBody"),
         "/v1/models": _get("model_list", "The models and adapters the key may call"),
         "/v1/models/{model}": _get("model_get", "One model or adapter", parameters=[
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),

@@ -39,7 +39,7 @@ MAX_NESTING = 32  # JSON arrays/objects inside one another; a JSON schema needs 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _plain_text(value: str) -> str:
+def plain_text(value: str) -> str:
     if "\x00" in value:
         raise PydanticCustomError("invalid_value", "must not contain NUL characters")
     try:
@@ -50,12 +50,12 @@ def _plain_text(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_plain_text)]
+Text = Annotated[str, AfterValidator(plain_text)]
 
 
 def _identifier(value: str) -> str:
     """An id that reaches Redis keys, ledger rows, alert emails and headers: printable."""
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in _plain_text(value)):
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in plain_text(value)):
         raise PydanticCustomError("invalid_value", "must not contain control characters")
     return value
 
@@ -124,7 +124,7 @@ class ChatMessage(Strict):
             raise PydanticCustomError("missing_required_parameter",
                                       "is required (only an assistant may leave it out)")
         if value is None or isinstance(value, str):
-            return value if value is None else _plain_text(value)
+            return value if value is None else plain_text(value)
         if not isinstance(value, list):
             raise PydanticCustomError(
                 "invalid_type", "must be a string, a list of text parts, or null")
@@ -135,7 +135,7 @@ class ChatMessage(Strict):
                    for part in value):
             raise PydanticCustomError("invalid_value",
                                       "text parts are {'type': 'text', 'text': <string>}")
-        return "".join(_plain_text(part["text"]) for part in value)
+        return "".join(plain_text(part["text"]) for part in value)
 
 
 def _schema(value: Any) -> Any:
@@ -178,8 +178,8 @@ def metadata_value(value: Any) -> Any:
                                   "must be an object of at most 16 string values "
                                   "(keys up to 64 characters, values up to 512)")
     for key, text in (value or {}).items():
-        _plain_text(key)
-        _plain_text(text)
+        plain_text(key)
+        plain_text(text)
     return value
 
 
@@ -195,7 +195,7 @@ def _stop(value: Any) -> list[str]:
                                   {"most": MAX_STOP_SEQUENCES})
     if any(s == "" for s in value):
         raise PydanticCustomError("invalid_value", "sequences must not be empty")
-    return [_plain_text(s) for s in value]
+    return [plain_text(s) for s in value]
 
 
 def _logit_bias(value: dict[str, Any]) -> dict[str, float]:
@@ -278,7 +278,7 @@ class CompletionBody(CommonBody):
 
 def _one_prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
-        return _plain_text(value)
+        return plain_text(value)
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
         if any(t < 0 for t in value):
             raise PydanticCustomError("invalid_value", "token ids must be non-negative integers")

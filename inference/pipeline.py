@@ -35,7 +35,7 @@ from core.errors import ApiError, InvalidRequest
 from core.metrics import ADMISSION_SECONDS
 from core.redis import async_client
 from inference import admission as quota
-from inference import responses, resumable, service, telemetry
+from inference import embeddings, responses, resumable, service, telemetry
 from inference.dispatch import FINAL_WAIT_S, Dispatch
 from inference.event_hub import Replay, Subscription, event_hub
 from inference.requestlog import Trace
@@ -43,6 +43,10 @@ from inference.routing import SESSION_MAX
 from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
+
+# How each kind of request is read into its engine request (off the event loop).
+_PREPARE = {"chat": service.prepare, "completion": service.prepare,
+            "embedding": embeddings.prepare}
 
 
 @dataclass(slots=True)
@@ -120,7 +124,7 @@ class Run:
         limits = await service.precheck(self.trace.principal, self.body)
         try:
             # Tokenizing a long prompt is CPU work: keep it off the event loop.
-            prepared = await sync_to_async(service.prepare, thread_sensitive=False)(
+            prepared = await sync_to_async(_PREPARE[self.trace.kind], thread_sensitive=False)(
                 principal=self.trace.principal, kind=self.trace.kind, body=self.body,
                 batch_line=batch_line, endpoint=self.trace.endpoint)
         except ApiError as exc:
@@ -190,9 +194,12 @@ class Run:
     # --- the way out -----------------------------------------------------------------------
 
     async def collect(self) -> dict[str, Any]:
-        """The whole response object (responses.collect); the run ends before it returns."""
+        """The whole response object (responses.collect, or embeddings.collect); the run
+        ends before it returns."""
         async with self._ending_with_outcome():
-            result = await responses.collect(self.trace.prepared, self._started_dispatch())
+            collect = embeddings.collect if self.trace.kind == "embedding" \
+                else responses.collect
+            result = await collect(self.trace.prepared, self._started_dispatch())
             self.trace.completed(result)
             return result
 

@@ -44,7 +44,7 @@ class Trace:
     def __init__(self, principal: Principal, kind: str, *, transport: str,
                  span: Any = None, endpoint: str | None = None) -> None:
         self.principal = principal
-        self.kind = kind  # the engine request it became: "chat" or "completion"
+        self.kind = kind  # the engine request it became: "chat", "completion", "embedding"
         self.endpoint = endpoint or kind  # the API it came in on (a protocol's, or its kind)
         self.transport = transport
         self.span = span  # its trace span (inference/telemetry.py), None while tracing is off
@@ -161,7 +161,8 @@ class Trace:
                 return {k: text_of(v) for k, v in value.items()}
             return value if isinstance(value, str) else None
 
-        return text_of(body.get("messages") if self.kind == "chat" else body.get("prompt"))
+        field = {"chat": "messages", "embedding": "input"}.get(self.kind, "prompt")
+        return text_of(body.get(field))
 
     def entry(self, *, bodies: bool = True) -> RequestLogEntry:
         """The log entry; `bodies=False` leaves out the prompt and completion (the fallback

@@ -48,7 +48,7 @@ from inference.tools import FORMATS, ToolRequest, check_tool_support
 from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "embedding"]
 # Completions default to OpenAI's 16 tokens; chat to what the context window leaves.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -56,7 +56,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Each entry point's ids, as its protocol spells them: the endpoint names a request by
 # the API it came in on (request logs, metrics); its kind is the engine request it became.
 ID_PREFIXES = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_",
-               "messages": "msg_"}
+               "messages": "msg_", "embedding": "embd-"}
 
 
 def completion_id(endpoint: str) -> str:
@@ -80,6 +80,8 @@ class Prepared:
     echo: list[str] = field(default_factory=list)
     # The conversation it belongs to, as the client said (x-session-id), for placement.
     session: str | None = None
+    # An embeddings request: how its vectors are written (inference/embeddings.py).
+    embedding: Any = None
 
     @property
     def num_prompts(self) -> int:
@@ -171,20 +173,23 @@ def model_plan(model: ServedModel, principal: Principal) -> dict[str, Any]:
     max_output = settings.ATRIUM_MAX_OUTPUT_TOKENS
     if principal.max_output_tokens is not None:
         max_output = min(max_output, principal.max_output_tokens)
+    chat = model.generates and model.chat_template is not None
     return {
         "context_window": model.context_window, "max_model_len": model.context_window,
-        "max_output_tokens": min(max_output, model.context_window - 1),
+        "max_output_tokens": min(max_output, model.context_window - 1) if model.generates
+        else 0,
         "capabilities": {
-            "completions": True,
-            "chat_completions": model.chat_template is not None,
-            "responses": model.chat_template is not None,
-            "messages": model.chat_template is not None,
+            "completions": model.generates,
+            "chat_completions": chat,
+            "responses": chat,
+            "messages": chat,
             # "auto" needs a format to find calls in; a forced tool_choice works on any.
-            "tools": model.chat_template is not None and model.tool_format in FORMATS,
-            "tool_choice_required": model.chat_template is not None,
-            "structured_outputs": True,
-            "logprobs": True, "max_top_logprobs": p.MAX_TOP_LOGPROBS,
-            "embeddings": False,
+            "tools": chat and model.tool_format in FORMATS,
+            "tool_choice_required": chat,
+            "structured_outputs": model.generates,
+            "logprobs": model.generates, "max_top_logprobs": p.MAX_TOP_LOGPROBS,
+            "embeddings": model.embeds,
+            **({"embedding_dimensions": model.hidden_size} if model.embeds else {}),
         },
     }
 
@@ -265,6 +270,10 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
     parsed = p.parse(kind, body)
     params = parsed.params
     model, adapter = resolve_model(params.model, principal)
+    if not model.generates:
+        raise InvalidRequest(f"The model '{model.name}' serves embeddings only "
+                             "(POST /v1/embeddings).", param="model",
+                             code="model_not_supported")
     tools = parsed.tools if kind == "chat" else None
     prompts = _prompts(parsed, model, tools)
     room = _check_prompts(prompts, model, principal,

@@ -197,6 +197,11 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await _run(request, "chat")
 
 
+@api_view("POST")
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    return await _run(request, "embedding")
+
+
 @api_view("GET")
 async def models(request: HttpRequest) -> HttpResponse:
     principal = await authenticate(request.headers.get("Authorization"))

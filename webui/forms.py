@@ -279,6 +279,10 @@ class PriceForm(forms.Form):
                                                   label="Cached input, per million tokens")
     output_per_million = forms.DecimalField(min_value=0, max_digits=18, decimal_places=6,
                                             label="Output, per million tokens")
+    embedding_per_million = forms.DecimalField(
+        min_value=0, max_digits=18, decimal_places=6, required=False,
+        label="Embeddings, per million tokens",
+        help_text="Empty: embeddings are billed at the input price.")
     effective_from = forms.DateTimeField(required=False, label="From (UTC; empty: now)",
                                          widget=forms.DateTimeInput(
                                              attrs={"type": "datetime-local"}))

@@ -10,7 +10,7 @@ from rest_framework.response import Response
 
 from billing import selectors
 from billing.apis.common import query_dict
-from billing.models import Invoice
+from billing.models import PRICE_CLASSES, Invoice
 from tenants.apis.base import StrictSerializer, TenantApi, listing, validated
 from tenants.apis.serializers import list_of
 from tenants.facade import authorize
@@ -26,6 +26,9 @@ class InvoiceLineSerializer(serializers.Serializer):
                                           help_text="per million tokens")
     amount = serializers.DecimalField(max_digits=18, decimal_places=2)
     exact_amount = serializers.DecimalField(max_digits=24, decimal_places=6)
+    price_class = serializers.ChoiceField(
+        choices=PRICE_CLASSES, help_text="interactive, batch (the Batch API's lines, at the "
+        "price's batch_ratio) or embedding (/v1/embeddings, at its embedding price)")
 
 
 @extend_schema_serializer(component_name="Invoice")
@@ -53,7 +56,8 @@ def _invoice(view: selectors.InvoiceView) -> dict[str, Any]:
             "created_at": invoice.created_at, "finalized_at": invoice.finalized_at,
             "lines": [{"model": x.model, "adapter": x.adapter, "token_class": x.token_class,
                        "units": x.units, "unit_price": x.unit_price, "amount": x.amount,
-                       "exact_amount": x.exact_amount} for x in view.lines]}
+                       "exact_amount": x.exact_amount, "price_class": x.price_class}
+                      for x in view.lines]}
 
 
 class InvoiceListApi(TenantApi):

@@ -29,6 +29,9 @@ class PriceSerializer(serializers.Serializer):
     batch_ratio = serializers.DecimalField(max_digits=7, decimal_places=6,
                                            help_text="the batch price class's share of these "
                                            "prices (the Batch API)")
+    embedding_per_million = serializers.DecimalField(
+        **PRICE, allow_null=True, help_text="the embedding price class's price of every input "
+        "token (/v1/embeddings); null: embeddings are billed at the input prices")
     effective_from = serializers.DateTimeField()
     created_at = serializers.DateTimeField()
 
@@ -64,6 +67,9 @@ class PriceCreateApi(Api):
         batch_ratio = serializers.DecimalField(
             max_digits=7, decimal_places=6, min_value=Decimal(0), max_value=Decimal(1),
             required=False, help_text="the batch price class's share (default 0.5)")
+        embedding_per_million = serializers.DecimalField(
+            **PRICE, required=False, allow_null=True, help_text="the price of an embedding's "
+            "input tokens (/v1/embeddings); absent or null: the input prices")
         effective_from = serializers.DateTimeField(
             required=False, help_text="default: now; never in the past")
 

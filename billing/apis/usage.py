@@ -154,8 +154,9 @@ class UsageRecordSerializer(serializers.Serializer):
     input_tokens = serializers.IntegerField(help_text="prompt tokens, cached ones included")
     input_cached_tokens = serializers.IntegerField()
     output_tokens = serializers.IntegerField()
-    price_class = serializers.CharField(help_text="interactive, or batch (a Batch API line, "
-                                        "whose request_id is <batch id>-<line index>)")
+    price_class = serializers.CharField(help_text="interactive; batch (a Batch API line, "
+                                        "whose request_id is <batch id>-<line index>); or "
+                                        "embedding (/v1/embeddings)")
     amount = serializers.DictField(child=serializers.CharField(),
                                    help_text='{"value": "<decimal>", "currency": "USD"}')
 

@@ -15,8 +15,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from billing.models import (
-    PRICE_CLASS_BATCH,
-    PRICE_CLASS_INTERACTIVE,
+    PRICE_CLASSES,
     Invoice,
     UsageDeadLetter,
     UsageRecord,
@@ -32,6 +31,7 @@ from billing.services.spending import spend_of, spend_publish
 log = logging.getLogger(__name__)
 
 INT32 = 2**31 - 1
+_PRICE_CLASS_NAMES = frozenset(name for name, _ in PRICE_CLASSES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,8 @@ class UsageEvent:
     api_key_prefix: str = ""
     adapter: str = ""
     end_user: str = ""  # the request's ``user``, for the end users' budgets
-    price_class: str = "interactive"  # or "batch": billed at the prices' batch_ratio
+    # "batch": billed at the prices' batch_ratio; "embedding": at their embedding price
+    price_class: str = "interactive"
     finish_reason: str = ""
     queue_ms: int | None = None
     ttft_ms: int | None = None
@@ -88,8 +89,9 @@ class UsageEvent:
             raise ValueError("finish reason or key prefix too long")
         if len(self.end_user) > 256:
             raise ValueError("an end user has at most 256 characters")
-        if self.price_class not in (PRICE_CLASS_INTERACTIVE, PRICE_CLASS_BATCH):
-            raise ValueError("a price class is interactive or batch")
+        if self.price_class not in _PRICE_CLASS_NAMES:
+            raise ValueError("a price class is interactive, batch or embedding")
+
 
 def _costed(event: UsageEvent, prices: PriceIndex, period: date) -> UsageRecord:
     base = prices.at(event.model, "", event.occurred_at)

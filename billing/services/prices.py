@@ -29,10 +29,12 @@ class PriceBackdated(InvalidRequest):
 def price_create(*, model: str, input_per_million: Decimal, cached_input_per_million: Decimal,
                  output_per_million: Decimal, effective_from: datetime | None = None,
                  adapter: str = "", currency: str | None = None, actor: Actor | None = None,
-                 now: datetime | None = None, batch_ratio: Decimal = Decimal("0.5")) -> Price:
+                 now: datetime | None = None, batch_ratio: Decimal = Decimal("0.5"),
+                 embedding_per_million: Decimal | None = None) -> Price:
     """A new price from ``effective_from`` (default: now) on; it supersedes the one before,
     never edits it, and never starts in the past: a price never changes what was already
-    billed. ``now`` is the clock (tests that build a price history set it)."""
+    billed. ``now`` is the clock (tests that build a price history set it).
+    ``embedding_per_million`` None: embeddings are billed at the input prices."""
     now = now or timezone.now()
     effective_from = effective_from or now
     if effective_from < now - BACKDATING_GRACE:
@@ -45,6 +47,9 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
     amounts = (input_per_million, cached_input_per_million, output_per_million)
     if any(a < 0 for a in amounts):
         raise InvalidRequest("prices are never negative", code="invalid_value")
+    if embedding_per_million is not None and embedding_per_million < 0:
+        raise InvalidRequest("prices are never negative", param="embedding_per_million",
+                             code="invalid_value")
     if not 0 <= batch_ratio <= 1:
         raise InvalidRequest("batch_ratio is a share, from 0 to 1", param="batch_ratio",
                              code="invalid_value")
@@ -58,7 +63,7 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
             model=model, adapter=adapter, currency=currency, input_per_million=input_per_million,
             cached_input_per_million=cached_input_per_million,
             output_per_million=output_per_million, batch_ratio=batch_ratio,
-            effective_from=effective_from)
+            embedding_per_million=embedding_per_million, effective_from=effective_from)
         if actor is not None:
             audit_record(tenant=None, actor=actor, action="price.create", target_type="price",
                          target_id=price.pk, after={
@@ -67,6 +72,8 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
                              "cached_input_per_million": str(cached_input_per_million),
                              "output_per_million": str(output_per_million),
                              "batch_ratio": str(batch_ratio),
+                             "embedding_per_million": None if embedding_per_million is None
+                             else str(embedding_per_million),
                              "effective_from": effective_from})
     return price
 

@@ -104,10 +104,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, *,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None
-                 ) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 with_lm_head: bool = True) -> None:
         """Parameters are made in ``dtype`` on ``device`` (torch's defaults when None);
-        nothing global (torch's default dtype or device) is touched."""
+        nothing global (torch's default dtype or device) is touched. Without
+        ``with_lm_head`` (an embedding model) it computes no logits."""
         super().__init__()
         self.config = cfg
         factory = {"dtype": dtype, "device": device}
@@ -120,7 +121,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i, **factory)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory) \
+            if with_lm_head else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

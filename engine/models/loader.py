@@ -57,8 +57,12 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     offsets = {"self_attn.qkv_proj": [0, q, q + kv], "mlp.gate_up_proj": [0, inter]}
     seen: set[str] = set()
     for name, tensor in iter_tensors(model_dir):
-        if name.endswith("rotary_emb.inv_freq"):
+        # NOTE: an embedding model computes no logits: its lm_head, if any, is not loaded.
+        if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and model.lm_head is None):
             continue
+        if name.startswith(("embed_tokens.", "layers.", "norm.")):
+            name = f"model.{name}"  # a base model's checkpoint (LlamaModel): no prefix
         target, rows = _target(name, offsets)
         if target is None or target not in params:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
@@ -68,7 +72,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor)
         seen.add(name)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in seen:
+    if cfg.tie_word_embeddings and model.lm_head is not None and "lm_head.weight" not in seen:
         model.lm_head.weight = model.embed_tokens.weight
         seen.add("lm_head.weight")
     expected = _expected_names(model)

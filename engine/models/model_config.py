@@ -15,6 +15,9 @@ from engine.layers.rotary import rope_parameters
 from engine.models.context import context_window
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The same models without a language-model head (transformers' base classes), as
+# sentence-transformers saves an embedding model: they embed, never generate.
+BASE_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,7 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     dtype: str  # the checkpoint's own dtype
+    has_lm_head: bool = True  # False: a base model's checkpoint (BASE_ARCHITECTURES)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -48,9 +52,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = (raw.get("architectures") or [""])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if arch not in SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES + BASE_ARCHITECTURES)})")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"activation {raw['hidden_act']!r} is not supported (silu only)")
         rope_parameters(raw)  # raises on what it cannot do
@@ -58,7 +62,7 @@ class ModelConfig:
         kv_heads = raw.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        is_qwen2 = raw.get("model_type") == "qwen2" or arch == "Qwen2ForCausalLM"
+        is_qwen2 = raw.get("model_type") == "qwen2" or arch.startswith("Qwen2")
         max_len = context_window(raw)
         return cls(
             raw=raw, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
@@ -69,4 +73,5 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", is_qwen2)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
+            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            has_lm_head=arch in SUPPORTED_ARCHITECTURES)

@@ -232,7 +232,10 @@ class ResponseCall:
         except (asyncio.CancelledError, GeneratorExit):
             if self.request.background:
                 writer.cancelled()
+                began = time.monotonic()
                 await asyncio.shield(self.store(writer.response()))
+                log.info("background response %s: stored as cancelled (%.2f s)", writer.id,
+                         time.monotonic() - began)
             raise
         await self.store(writer.response())
         for event in final:
@@ -308,6 +311,8 @@ async def _publish(response_id: str, events: AsyncIterator[dict[str, Any] | None
     watching = asyncio.ensure_future(_cancelled(redis, response_id))
     try:
         await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
+        if watching.done() and not reading.done():
+            log.info("background response %s: cancel asked", response_id)
     finally:
         for task in (reading, watching):
             task.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +34,8 @@ from inference.protocols.responses_flow import (
 from inference.views import EventStream, api_view, followed, json_body
 from requestlogs.facade import StoredResponseInfo, stored_response_delete, stored_response_get
 from tenants.facade import Principal
+
+log = logging.getLogger(__name__)
 
 MAX_LIST = 100
 CANCEL_WAIT_S = 30.0
@@ -174,6 +177,9 @@ async def _settled(principal: Principal, response_id: str,
         await asyncio.sleep(0.1)
         stored = await in_thread(stored_response_get, tenant_id=principal.tenant_id,
                                  response_id=response_id) or stored
+    if stored.status in RUNNING:
+        log.warning("response %s: still %s %.0f s after its cancel", response_id,
+                    stored.status, CANCEL_WAIT_S)
     return stored
 
 

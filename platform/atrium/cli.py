@@ -220,6 +220,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
     # The store the platform registers adapters into, and its Redis (settings.py).
     args.adapter_store = args.adapter_store or str(settings.ATRIUM_ADAPTER_STORE)
+    # A generative model the platform answers embeddings from: its engine computes them.
+    args.embeddings = args.embeddings or name in settings.ATRIUM_EMBEDDING_MODELS
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # a clean stop: requests end, it deregisters
         signal.signal(sig, lambda *_: stop.set())

@@ -172,6 +172,11 @@ for _entry in filter(None, (e.strip() for e in os.environ.get("ATRIUM_MODELS", "
     ATRIUM_MODELS[_name] = _folder
 if ATRIUM_MODELS and ATRIUM_MODEL:
     raise ImproperlyConfigured("set ATRIUM_MODELS or ATRIUM_MODEL, not both")
+# Generative models that also answer /v1/embeddings (last-token pooling, normalised): their
+# engines run with --embeddings. A checkpoint in the sentence-transformers layout
+# (modules.json) is an embedding model and answers nothing else.
+ATRIUM_EMBEDDING_MODELS = frozenset(
+    filter(None, (e.strip() for e in os.environ.get("ATRIUM_EMBEDDING_MODELS", "").split(","))))
 # Upper bound on max_tokens per request, whatever the context window allows.
 ATRIUM_MAX_OUTPUT_TOKENS = int(os.environ.get("ATRIUM_MAX_OUTPUT_TOKENS", "4096"))
 # Upper bound on a request body, in bytes.

@@ -91,14 +91,21 @@ def cmd_up(args: argparse.Namespace) -> None:
 def _up(args: argparse.Namespace, home: Path) -> None:
     demo_model = not os.environ.get("ATRIUM_MODEL") and not os.environ.get("ATRIUM_MODELS")
     if demo_model:
-        from engine.demo_model import demo_model_dir, ensure_demo_model
+        from engine.demo_model import (
+            demo_embedding_model_dir,
+            demo_model_dir,
+            ensure_demo_embedding_model,
+        )
 
-        os.environ["ATRIUM_MODEL"] = str(demo_model_dir(home))  # built, or built below
-        os.environ.setdefault("ATRIUM_MODEL_NAME", "atrium-demo")
+        # The demo chat model and, made from it, a demo embedding model (/v1/embeddings):
+        # built, or built below.
+        name = os.environ.get("ATRIUM_MODEL_NAME") or "atrium-demo"
+        os.environ["ATRIUM_MODELS"] = (f"{name}={demo_model_dir(home)},"
+                                       f"{name}-embedding={demo_embedding_model_dir(home)}")
     django_setup()  # settings and the Celery broker refused before a minute of training
-    if demo_model and not (demo_model_dir(home) / "config.json").exists():
-        print("building the demo model (once; cached under ATRIUM_HOME)...", flush=True)
-        ensure_demo_model(home)
+    if demo_model and not (demo_embedding_model_dir(home) / "config.json").exists():
+        print("building the demo models (once; cached under ATRIUM_HOME)...", flush=True)
+        ensure_demo_embedding_model(home)  # the chat model first
     from django.core.management import call_command
 
     from core.served_models import model_paths

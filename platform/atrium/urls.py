@@ -23,6 +23,7 @@ urlpatterns = [
     path("v1/messages", messages_api.create),
     path("v1/messages/count_tokens", messages_api.count_tokens),
     path("v1/streams/<str:request_id>", inference.stream),
+    path("v1/embeddings", inference.embeddings),
     path("v1/models", inference.models),
     # vLLM's paths, and the same under /v1/ beside the rest of the API.
     path("v1/tokenize", tokenizing.tokenize),

@@ -36,11 +36,13 @@ def tenant(db):
 
 
 def prices(model: str = "m", at: datetime = T0 - timedelta(days=30), inp: str = "1.00",
-           cached: str = "0.50", out: str = "2.00", adapter: str = ""):
+           cached: str = "0.50", out: str = "2.00", adapter: str = "",
+           embedding: str | None = None):
     # Made at the time it takes effect: a price is never back-dated (services/prices.py).
     return price_create(model=model, adapter=adapter, effective_from=at, now=at,
                         input_per_million=Decimal(inp), cached_input_per_million=Decimal(cached),
-                        output_per_million=Decimal(out))
+                        output_per_million=Decimal(out),
+                        embedding_per_million=None if embedding is None else Decimal(embedding))
 
 
 def event(tenant, *, rid: str | None = None, at: datetime = T0 + timedelta(days=3),

@@ -166,10 +166,27 @@ def test_operators_add_prices_which_are_audited_and_everyone_reads(acme, owner):
     assert owner.get("/api/v1/prices", {"model": "nothing"}).json()["data"] == []
 
 
+def test_an_embedding_price_is_optional_and_null_means_the_input_price(acme):
+    staff = _staff()
+    later = timezone.now() + timedelta(days=1)
+    r = staff.post("/api/v1/prices", _price(model="e", embedding_per_million="0.02",
+                                            effective_from=later.isoformat()), format="json")
+    assert r.status_code == 201, r.content
+    assert r.json()["embedding_per_million"] == "0.020000"
+    assert Price.objects.get(pk=r.json()["id"]).embedding_per_million == Decimal("0.02")
+    assert AuditEvent.objects.get(action="price.create", target_id=str(r.json()["id"])
+                                  ).after["embedding_per_million"] == "0.020000"
+    r = staff.post("/api/v1/prices", _price(model="f"), format="json")
+    assert r.status_code == 201 and r.json()["embedding_per_million"] is None
+    assert Price.objects.get(pk=r.json()["id"]).embedding_per_million is None
+
+
 @pytest.mark.parametrize("body, param, status", [
     (_price(effective_from="2020-01-01T00:00:00Z"), "effective_from", 400),
     (_price(input_per_million="-1"), "input_per_million", 400),
     (_price(output_per_million="0.0000001"), "output_per_million", 400),
+    (_price(embedding_per_million="-0.01"), "embedding_per_million", 400),
+    (_price(embedding_per_million="0.0000001"), "embedding_per_million", 400),
     (_price(currency="EUR"), "currency", 400),
     (_price(currency="usd"), "currency", 400),
     (_price(model=""), "model", 400),

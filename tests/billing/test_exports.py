@@ -79,7 +79,7 @@ def test_meter_events_are_identified_by_request_id(acme):
     assert first["payload"] == {
         "stripe_customer_id": "acme", "value": "1002", "model": "m", "adapter": "",
         "input_tokens": "800", "cached_input_tokens": "200", "output_tokens": "2",
-        "cost": "0.000904", "currency": "USD"}
+        "cost": "0.000904", "currency": "USD", "price_class": "interactive"}
 
 
 def test_invoices_as_csv_and_json_lines(acme):

@@ -99,9 +99,11 @@ class Atrium:
     lines: list[str] = field(default_factory=list)
     key: str = ""
     model: str = "atrium-demo"
+    embedding_model: str = "atrium-demo-embedding"
     started_s: float = 0.0
-    # The web, engine and worker metrics endpoints, on three ports from this one.
-    metrics_port: int = field(default_factory=lambda: free_ports(3))
+    # The web, engine and worker metrics endpoints, on three ports from this one, and the
+    # demo embedding model's engine's on the fourth.
+    metrics_port: int = field(default_factory=lambda: free_ports(4))
     # Where a test's Prometheus listens (tests/e2e/test_dashboards.py), as the console's
     # service-health page is told by ATRIUM_PROMETHEUS_URL.
     prometheus_port: int = field(default_factory=free_port)
@@ -277,6 +279,12 @@ def _shared_atrium_alive(request: pytest.FixtureRequest) -> Iterator[None]:
     check("before")
     yield
     check("after")
+
+
+def demo_checkpoint(home: Path, *, embedding: bool = False) -> Path:
+    """The demo chat model's folder under ``home`` (or the demo embedding model's)."""
+    return next(path for path in (home / "models").glob("atrium-demo-*")
+                if path.name.startswith("atrium-demo-embedding-") == embedding)
 
 
 def _session_processes(sid: int) -> list[int]:

@@ -9,33 +9,40 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.e2e.conftest import Atrium
+from tests.e2e.conftest import Atrium, demo_checkpoint
 
 TEXT = "The baker carries bread to the market in the morning."
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
 def _checkpoint(atrium: Atrium):
-    return next((atrium.home / "models").glob("atrium-demo-*"))
+    return demo_checkpoint(atrium.home)
 
 
 def test_models_say_the_window_and_what_the_demo_model_supports(atrium: Atrium):
     import json
 
     config = json.loads((_checkpoint(atrium) / "config.json").read_text())
-    [model] = atrium.openai().models.list().data
-    extra = model.model_extra
+    models = {m.id: m.model_extra for m in atrium.openai().models.list().data}
+    assert set(models) == {atrium.model, atrium.embedding_model}
+    extra = models[atrium.model]
     assert extra["context_window"] == config["max_position_embeddings"]
     assert 0 < extra["max_output_tokens"] < extra["context_window"]
     assert extra["capabilities"]["chat_completions"] and extra["capabilities"]["logprobs"]
+    assert not extra["capabilities"]["embeddings"]
+    embedder = models[atrium.embedding_model]["capabilities"]
+    assert embedder["embeddings"] and not embedder["chat_completions"]
+    assert embedder["embedding_dimensions"] == config["hidden_size"]
 
 
 def test_tokenize_and_detokenize_round_trip_as_the_checkpoints_tokenizer(atrium: Atrium):
     tokenizer = Tokenizer.from_file(str(_checkpoint(atrium) / "tokenizer.json"))
     with atrium.http() as client:
         ids = client.post("/tokenize", json={"model": atrium.model, "prompt": TEXT}).json()
-        chat = client.post("/v1/tokenize", json={"messages": MESSAGES}).json()
-        back = client.post("/detokenize", json={"tokens": ids["tokens"]}).json()
+        chat = client.post("/v1/tokenize", json={"model": atrium.model,
+                                                  "messages": MESSAGES}).json()
+        back = client.post("/detokenize", json={"model": atrium.model,
+                                                 "tokens": ids["tokens"]}).json()
     assert ids["tokens"] == tokenizer.encode(TEXT).ids and ids["count"] == len(ids["tokens"])
     assert back["prompt"] == tokenizer.decode(ids["tokens"], skip_special_tokens=False)
     answer = atrium.openai().chat.completions.create(model=atrium.model, messages=MESSAGES,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Atrium, wait_for
+from tests.e2e.conftest import Atrium, demo_checkpoint, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
@@ -87,7 +87,7 @@ def _make_lora(base_dir: Path, out: Path, seed: int) -> Path:
 
 
 def test_uploaded_adapter_becomes_ready_and_changes_greedy_output(atrium: Atrium, tmp_path):
-    base_dir = next((atrium.home / "models").glob("atrium-demo-*"))
+    base_dir = demo_checkpoint(atrium.home)
     lora = _make_lora(base_dir, tmp_path / "sea-poet", seed=1)
     began = time.monotonic()
     with atrium.http() as http:

@@ -7,6 +7,7 @@ for the same generation."""
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -96,6 +97,14 @@ def test_a_background_response_is_polled_read_again_and_cancelled(atrium: Atrium
     for event in client.responses.retrieve(long.id, stream=True):
         if event.type == "response.output_text.delta":
             break  # generating
+    asked = time.monotonic()
     cancelled = client.responses.cancel(long.id)
-    assert cancelled.status == "cancelled"
+    if cancelled.status != "cancelled":  # what became of it, for the failure's message
+        later = []
+        for _ in range(30):
+            time.sleep(2)
+            later.append((round(time.monotonic() - asked),
+                          client.responses.retrieve(long.id).status))
+        raise AssertionError(f"cancel answered {cancelled.status!r} after "
+                             f"{time.monotonic() - asked:.1f} s; then: {later}")
     assert client.responses.retrieve(long.id).status == "cancelled"

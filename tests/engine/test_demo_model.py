@@ -163,6 +163,30 @@ def test_a_crashed_build_leaves_no_half_model(tiny_demo, tmp_path: Path, monkeyp
     assert list((tmp_path / "models").iterdir()) == []
 
 
+def test_the_demo_embedding_model_is_the_demo_model_in_the_sentence_transformers_layout(
+        tiny_demo, tmp_path: Path):
+    from engine.pooling import MEAN, Pooling, read_pooling
+
+    first = demo_model.ensure_demo_embedding_model(tmp_path)
+    assert demo_model.ensure_demo_embedding_model(tmp_path) == first and len(tiny_demo) == 1
+    base = ensure_demo_model(tmp_path)
+    assert first.parent == base.parent and first.name.startswith("atrium-demo-embedding-")
+    for name in FILES:
+        assert (first / name).read_bytes() == (base / name).read_bytes(), name
+    assert read_pooling(first) == Pooling(MEAN, normalize=True)
+    assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, base.name])
+
+
+def test_two_embedding_model_builds_are_byte_identical(tmp_path: Path):
+    one = demo_model.build_embedding_model(tmp_path / "one", pooling="cls")
+    two = demo_model.build_embedding_model(tmp_path / "two", pooling="cls")
+    names = sorted(str(p.relative_to(one)) for p in one.rglob("*") if p.is_file())
+    assert {"modules.json", "1_Pooling/config.json", "sentence_bert_config.json",
+            "config_sentence_transformers.json"} <= set(names)
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+
+
 def _race(home: Path, builders: int) -> list[Path]:
     """``ensure_demo_model(home)`` from ``builders`` threads released at once."""
     results: list[Path] = []

@@ -57,3 +57,21 @@ def test_n_defaults_to_one_and_travels():
     raw = json.loads(_request().encode()["data"])
     raw["sampling"]["n"] = 3
     assert protocol.EngineRequest.decode({"data": json.dumps(raw)}).sampling.n == 3
+
+
+def test_the_task_travels_and_an_earlier_message_without_it_is_a_generate_request():
+    embed = protocol.EngineRequest.decode(_decode_with(task="embed").encode())
+    assert embed.task == protocol.TASK_EMBED
+    raw = json.loads(_request().encode()["data"])
+    del raw["task"]
+    assert protocol.EngineRequest.decode({"data": json.dumps(raw)}).task == "generate"
+
+
+def test_an_unknown_task_is_a_value_error_naming_the_field():
+    with pytest.raises(ValueError, match="request.task must be one of generate, embed"):
+        _decode_with(task="rerank")
+
+
+def test_an_embed_request_may_have_more_extra_inputs_than_a_generate_request():
+    assert protocol.max_extra_prompts(protocol.TASK_EMBED) == protocol.MAX_EMBED_INPUTS == 255
+    assert protocol.max_extra_prompts(protocol.TASK_GENERATE) == protocol.MAX_EXTRA_PROMPTS

@@ -299,8 +299,20 @@ def _engine_reporting(redis_client) -> None:
     redis_client.set(protocol.engine_key(beat.engine_id), beat.encode(), ex=30)
 
 
+def _price_book() -> None:
+    """A long model name with a surcharge and an embedding price, and one without."""
+    from billing.services import price_create
+
+    for adapter, embedding in (("", Decimal("0.020000")), ("acme/support-v2@12", None)):
+        price_create(model="a-long-model-name-7b-instruct", adapter=adapter,
+                     input_per_million=Decimal("123.456789"),
+                     cached_input_per_million=Decimal("61.728394"),
+                     output_per_million=Decimal("246.913578"), embedding_per_million=embedding)
+
+
 def test_every_table_fits_a_1280_px_window(new_page, world, redis_client):
     _engine_reporting(redis_client)
+    _price_book()
     page = new_page(viewport=(1280, 800))
     sign_in(page, "ops@atrium.test", PASSWORD)
     for name in OPERATOR_PAGES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 from django.test import Client
@@ -375,4 +376,30 @@ def test_an_operator_cannot_backdate_a_price_and_is_told_why(world):
         follow=True)
     assert ("A price never changes what was already billed: “From” must not be in the past."
             in reply.content.decode())
+    assert Price.objects.count() == before
+
+
+def test_an_operator_adds_prices_with_and_without_an_embedding_price(world):
+    from billing.models import Price
+
+    client = _client(world.staff)
+    url = reverse("webui:op-prices")
+    base = {"adapter": "", "input_per_million": "1", "cached_input_per_million": "0.5",
+            "output_per_million": "2", "effective_from": ""}
+    client.post(url, {**base, "model": "embedder", "embedding_per_million": "0.02"})
+    client.post(url, {**base, "model": "chatter", "embedding_per_million": ""})
+    assert Price.objects.get(model="embedder").embedding_per_million == Decimal("0.02")
+    assert Price.objects.get(model="chatter").embedding_per_million is None
+    body = client.get(url).content.decode()
+    assert "0.020000" in body and "— (input price)" in body
+
+
+def test_a_negative_embedding_price_is_refused_in_the_console(world):
+    from billing.models import Price
+
+    before = Price.objects.count()
+    reply = _client(world.staff).post(reverse("webui:op-prices"), {
+        "model": "m", "adapter": "", "input_per_million": "1", "cached_input_per_million": "1",
+        "output_per_million": "1", "embedding_per_million": "-1"}, follow=True)
+    assert "greater than or equal to 0" in reply.content.decode()
     assert Price.objects.count() == before
