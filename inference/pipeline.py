@@ -44,10 +44,6 @@ from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
 
-# How each kind of request is read into its engine request (off the event loop).
-_PREPARE = {"chat": service.prepare, "completion": service.prepare,
-            "embedding": embeddings.prepare}
-
 
 @dataclass(slots=True)
 class Started:
@@ -124,7 +120,9 @@ class Run:
         limits = await service.precheck(self.trace.principal, self.body)
         try:
             # Tokenizing a long prompt is CPU work: keep it off the event loop.
-            prepared = await sync_to_async(_PREPARE[self.trace.kind], thread_sensitive=False)(
+            prepare = embeddings.prepare if self.trace.kind == "embedding" \
+                else service.prepare
+            prepared = await sync_to_async(prepare, thread_sensitive=False)(
                 principal=self.trace.principal, kind=self.trace.kind, body=self.body,
                 batch_line=batch_line, endpoint=self.trace.endpoint)
         except ApiError as exc:

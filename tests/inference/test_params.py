@@ -191,9 +191,16 @@ def test_n_best_of_and_echo_are_parsed_and_checked():
     p = parse_completion({**completion, "n": 3, "best_of": 5, "echo": True}).params
     assert (p.n, p.best_of, p.echo) == (3, 5, True)
     assert parse_chat({**CHAT, "n": 4}).params.best_of == 4
+    # The prompt's logprobs the engine computes: the echoed prompt's, or vLLM's, the most.
+    scored = parse_completion({**completion, "echo": True, "logprobs": 2,
+                               "prompt_logprobs": 5}).params
+    assert (scored.prompt_logprobs, scored.prompt_top) == (5, 5)
+    assert parse_completion({**completion, "echo": True, "logprobs": 3}).params.prompt_top == 3
+    assert parse_completion({**completion, "logprobs": 3}).params.prompt_top is None
     for extra, param in (({"n": 2, "best_of": 1}, "best_of"),
                          ({"best_of": 2, "stream": True}, "best_of"),
-                         ({"echo": True, "logprobs": 1}, "echo"),
+                         ({"echo": True, "logprobs": 1, "stream": True}, "stream"),
+                         ({"prompt_logprobs": 1, "stream": True}, "stream"),
                          ({"n": 17}, "n"), ({"suffix": "x"}, "suffix")):
         with pytest.raises(InvalidRequest) as refused:
             parse_completion({**completion, **extra})
