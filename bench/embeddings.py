@@ -114,11 +114,12 @@ async def ttft_probes(base: str, key: str, probes: int) -> list[float]:
             async with client.stream("POST", "/v1/chat/completions", json={
                     "model": CHAT, "stream": True, "max_tokens": 4, "temperature": 0,
                     "messages": [{"role": "user", "content": f"Tell me story {i}."}]}) as r:
-                async for line in r.aiter_lines():
+                lines = r.aiter_lines()
+                async for line in lines:
                     if line.startswith("data: {") and '"content":' in line:
                         out.append(time.monotonic() - began)
                         break
-                async for _ in r.aiter_lines():
+                async for _ in lines:  # read to its end: the next probe starts after it
                     pass
     return out
 
@@ -128,7 +129,7 @@ async def ttft_under_load(base: str, key: str, probes: int, load_clients: int
     """The probes beside ``load_clients`` clients embedding batches of 32 without pause;
     the load's embeddings a second."""
     stop = asyncio.Event()
-    done = 0
+    done, statuses = 0, {}
 
     async def load(c: int) -> None:
         nonlocal done
@@ -140,6 +141,7 @@ async def ttft_under_load(base: str, key: str, probes: int, load_clients: int
                     "model": EMBEDDER, "input": texts(32, seed=50_000 + c * 1000 + n)})
                 n += 1
                 done += 32 if answer.status_code == 200 else 0
+                statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
 
     loaders = [asyncio.ensure_future(load(c)) for c in range(load_clients)]
     await asyncio.sleep(2.0)  # the load is steady before the first probe
@@ -150,7 +152,7 @@ async def ttft_under_load(base: str, key: str, probes: int, load_clients: int
         rate = done / (time.monotonic() - began)
         stop.set()
         await asyncio.gather(*loaders, return_exceptions=True)
-    return result, rate
+    return result, rate, statuses
 
 
 # --- the peer -------------------------------------------------------------------------------
@@ -180,6 +182,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--probes", type=int, default=200)
     parser.add_argument("--load-clients", type=int, default=4)
+    parser.add_argument("--engine-threads", type=int, default=0,
+                        help="OMP_NUM_THREADS of each engine (0: torch's default, one a "
+                             "core): two engines' spinning threads on two cores stall each "
+                             "other")
     parser.add_argument("--models", type=Path, default=ROOT / "var/e2e-models/models",
                         help="a models folder to copy into ATRIUM_HOME (built if absent)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/embeddings.json")
@@ -205,9 +211,11 @@ def main() -> None:
         _cli(env, home, "set-limits", "bench", "--max-concurrent-requests", "100000",
              "--requests-per-minute", "1000000", "--tokens-per-minute", "1000000000")
         key = _cli(env, home, "create-key", "bench").split()[-1]
+        engine_env = {**env, **({"OMP_NUM_THREADS": str(args.engine_threads)}
+                                if args.engine_threads else {})}
         for name in (CHAT, EMBEDDER):
             procs.append(subprocess.Popen(
-                [str(BIN / "atrium"), "engine", "--model-name", name], env=env, cwd=home,
+                [str(BIN / "atrium"), "engine", "--model-name", name], env=engine_env, cwd=home,
                 stdout=(home / f"engine-{name}.log").open("w"), stderr=subprocess.STDOUT))
         port = free_port()
         web = subprocess.Popen([str(BIN / "atrium"), "web", "--port", str(port)], env=env,
@@ -260,19 +268,21 @@ def measure(base: str, key: str, embedder_dir: Path, args: argparse.Namespace
         print(json.dumps(rows[-1]), flush=True)
     one_call = peer_one_call(peer, 2048)
     alone = asyncio.run(ttft_probes(base, key, args.probes))
-    loaded, load_rate = asyncio.run(ttft_under_load(base, key, args.probes,
-                                                    args.load_clients))
+    loaded, load_rate, load_statuses = asyncio.run(ttft_under_load(
+        base, key, args.probes, args.load_clients))
     ttft = {"alone_p50_ms": round(1000 * statistics.median(alone), 1),
             "alone_p99_ms": round(1000 * _pct(alone, 99), 1),
             "loaded_p50_ms": round(1000 * statistics.median(loaded), 1),
             "loaded_p99_ms": round(1000 * _pct(loaded, 99), 1),
             "probes": len(alone), "load_clients": args.load_clients, "load_batch": 32,
-            "load_embeddings_per_s": round(load_rate, 1)}
+            "load_embeddings_per_s": round(load_rate, 1),
+            "load_answers_by_status": {str(k): v for k, v in load_statuses.items()}}
     ttft["p99_ratio"] = round(ttft["loaded_p99_ms"] / ttft["alone_p99_ms"], 3)
     at_32 = next(r for r in rows if r["batch"] == 32)
     return {
         "machine_note": f"{os.cpu_count()} CPUs (the development VM), CPU only; web, both "
                         "engines, Redis, the clients and the peer on the same cores",
+        "engine_threads": args.engine_threads or "torch default",
         "checkpoint": f"{embedder_dir.name}: the demo embedding model (the demo model's "
                       "weights, sentence-transformers layout, mean pooling, normalised)",
         "peer": f"sentence-transformers {_version('sentence_transformers')} encode() on the "
