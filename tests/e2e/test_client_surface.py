@@ -5,11 +5,12 @@ checked against the checkpoint read by `tokenizers` and transformers."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.e2e.conftest import Atrium, demo_checkpoint
+from tests.e2e.conftest import Atrium, demo_checkpoint, wait_for
 
 TEXT = "The baker carries bread to the market in the morning."
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -70,3 +71,36 @@ def test_the_prompts_logprobs_are_transformers_log_softmax(atrium: Atrium):
     for j, token in enumerate(ids[1:]):
         assert abs(echoed[j + 1] - float(expected[j][token])) < 1e-3
         assert abs(vllm[j + 1][str(token)]["logprob"] - float(expected[j][token])) < 1e-3
+
+
+@pytest.mark.setups("embedded")  # the engine's arithmetic, the same on either setup
+def test_the_demo_embedding_model_answers_as_sentence_transformers_encodes(atrium: Atrium):
+    import base64
+
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    texts = [TEXT, "A quiet village on the hill.", "boats"]
+    expected = SentenceTransformer(str(demo_checkpoint(atrium.home, embedding=True)),
+                                   device="cpu").encode(texts, convert_to_numpy=True)
+    client = atrium.openai()
+    batched = client.embeddings.create(model=atrium.embedding_model, input=texts)
+    single = client.embeddings.create(model=atrium.embedding_model, input=texts[2])
+    raw = client.embeddings.with_raw_response.create(
+        model=atrium.embedding_model, input=texts, encoding_format="base64").http_response
+    b64 = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+           for d in raw.json()["data"]]
+    assert np.abs(np.array([d.embedding for d in batched.data]) - expected).max() < 1e-5
+    assert np.abs(np.array(single.data[0].embedding) - expected[2]).max() < 1e-5
+    assert np.abs(np.array(b64) - expected).max() < 1e-5
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=atrium.model, input="hello")
+    assert refused.value.body["param"] == "model"
+    # Billed once, in the embedding price class, as the usage API shows it.
+    request_id = raw.headers["x-request-id"]
+    with atrium.http() as http:
+        row = wait_for(lambda: (answer := http.get(
+            f"/api/v1/tenants/demo/usage/requests/{request_id}")).status_code == 200
+            and answer.json(), timeout=60)
+    assert row["price_class"] == "embedding" and row["output_tokens"] == 0
+    assert row["input_tokens"] == batched.usage.prompt_tokens
