@@ -26,6 +26,8 @@ class EngineConfig:
     # an idle peer may take them (engine/streams.py). The scheduler is fair across tenants
     # among those it holds.
     max_waiting: int = 32
+    # Seats (of max_num_seqs) only the priority tier may take (engine/tiers.py).
+    priority_reserve_seats: int = 0
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
@@ -61,6 +63,8 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be > 0 and gpu_memory_utilization in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
+        if not 0 <= self.priority_reserve_seats < self.max_num_seqs:
+            raise ValueError("priority_reserve_seats must be >= 0 and below max_num_seqs")
         if self.adapter_store is not None:
             self.adapter_store = Path(self.adapter_store)
         if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512 or self.max_cpu_loras < 1:

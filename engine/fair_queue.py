@@ -1,8 +1,10 @@
-"""The waiting queue: strict order between priority classes, round-robin between tenants.
+"""The waiting queue: strict order between classes, token-fair between tenants.
 
-Within a priority class every tenant with waiting requests has its own FIFO, and
-the scheduler takes from the tenants in turn, so a tenant that floods the queue
-waits behind its own requests, not in front of everyone else's.
+A sequence's class is its ``rank``: its service tier, then its plan's priority. Within a
+class every tenant with waiting sequences has its own FIFO, and the queue hands out the
+head of the tenant that has received the least service (engine/fair_share.py; ties in
+turn), so a tenant that floods the queue, or sends long prompts, waits behind its own
+requests, not in front of everyone else's.
 """
 
 from __future__ import annotations
@@ -10,87 +12,83 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 
+from engine.fair_share import ServiceCounters
 from engine.sequence import Sequence
+
+Rank = tuple[int, int]
 
 
 class FairQueue:
-    def __init__(self) -> None:
-        # priority -> tenant -> that tenant's waiting sequences; the first tenant is next.
-        self._classes: dict[int, OrderedDict[str, deque[Sequence]]] = {}
+    def __init__(self, counters: ServiceCounters | None = None) -> None:
+        self.counters = counters or ServiceCounters()
+        # rank -> tenant -> that tenant's waiting sequences; among equals, the first goes next.
+        self._classes: dict[Rank, OrderedDict[str, deque[Sequence]]] = {}
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
     def num_tenants(self) -> int:
-        """Tenants with a sequence waiting (one counted once per priority class)."""
+        """Tenants with a sequence waiting (one counted once per class)."""
         return sum(len(tenants) for tenants in self._classes.values())
 
     def __iter__(self) -> Iterator[Sequence]:
-        for priority in sorted(self._classes):
-            for queue in self._classes[priority].values():
+        for rank in sorted(self._classes):
+            for queue in self._classes[rank].values():
                 yield from queue
 
     def push(self, seq: Sequence) -> None:
         """A new arrival: at the back of its tenant's queue."""
-        tenants = self._classes.setdefault(seq.priority, OrderedDict())
+        tenants = self._classes.setdefault(seq.rank, OrderedDict())
         tenants.setdefault(seq.tenant_id, deque()).append(seq)
         self._len += 1
 
     def push_front(self, seq: Sequence) -> None:
-        """A preempted sequence: first of its tenant's, and its tenant goes next."""
-        tenants = self._classes.setdefault(seq.priority, OrderedDict())
+        """A preempted sequence: first of its tenant's, and first among tenants served alike."""
+        tenants = self._classes.setdefault(seq.rank, OrderedDict())
         tenants.setdefault(seq.tenant_id, deque()).appendleft(seq)
         tenants.move_to_end(seq.tenant_id, last=False)
         self._len += 1
 
     def pop(self) -> Sequence:
-        """Takes the next sequence and sends its tenant to the back of the rotation."""
-        priority = min(self._classes)
-        tenants = self._classes[priority]
-        tenant, queue = next(iter(tenants.items()))
-        seq = queue.popleft()
-        if queue:
-            tenants.move_to_end(tenant)
-        else:
-            del tenants[tenant]
-            if not tenants:
-                del self._classes[priority]
-        self._len -= 1
+        """Takes the next sequence (``peek``'s)."""
+        seq = self.peek()
+        self.take(seq)
         return seq
 
-    def best_priority(self) -> int | None:
-        """The best (lowest) priority class with a sequence waiting; None when empty."""
+    def best_rank(self) -> Rank | None:
+        """The best (lowest) class with a sequence waiting; None when empty."""
         return min(self._classes, default=None)
 
     def peek(self) -> Sequence:
-        """What ``pop`` would hand out next, left waiting."""
-        return next(iter(self._classes[min(self._classes)].values()))[0]
+        """What ``pop`` would hand out next, left waiting: the best class's least-served
+        tenant's first."""
+        return self._classes[min(self._classes)][self._least_served(min(self._classes))][0]
 
-    def candidates(self) -> list[Sequence]:
-        """Every waiting sequence in the order the queue would hand them out.
-
-        Classes in order; within a class, round by round: each tenant's first, in rotation
-        order, then each tenant's second, and so on. The scheduler walks this when the
-        head cannot run yet (its adapter has no free slot) and ``take``s what it admits.
+    def candidates(self) -> Iterator[Sequence]:
+        """Every waiting sequence in the order the queue would hand them out, chosen one at a
+        time: class by class, and within a class the least-served tenant's first not yet
+        offered. The scheduler ``take``s and charges what it admits as it walks, so a
+        tenant that was just admitted a long prompt falls behind the others in the same walk.
         """
-        out = []
-        for priority in sorted(self._classes):
-            queues = list(self._classes[priority].values())
-            for depth in range(max(len(q) for q in queues)):
-                out.extend(q[depth] for q in queues if depth < len(q))
-        return out
+        for rank in sorted(self._classes):
+            offered: set[int] = set()
+            turns: dict[str, int] = {}  # sequences offered per tenant: equals take turns
+            while (seq := self._next_unoffered(rank, offered, turns)) is not None:
+                offered.add(id(seq))
+                turns[seq.tenant_id] = turns.get(seq.tenant_id, 0) + 1
+                yield seq
 
     def take(self, seq: Sequence) -> None:
-        """Removes ``seq`` as if popped: its tenant goes to the back of the rotation."""
-        tenants = self._classes[seq.priority]
+        """Removes ``seq`` as if popped: its tenant goes behind those served alike."""
+        tenants = self._classes[seq.rank]
         if not self.remove(seq):
             raise ValueError(f"{seq.request_id} is not waiting")
         if seq.tenant_id in tenants:
             tenants.move_to_end(seq.tenant_id)
 
     def remove(self, seq: Sequence) -> bool:
-        tenants = self._classes.get(seq.priority)
+        tenants = self._classes.get(seq.rank)
         queue = tenants.get(seq.tenant_id) if tenants else None
         if queue is None or seq not in queue:
             return False
@@ -98,6 +96,20 @@ class FairQueue:
         if not queue:
             del tenants[seq.tenant_id]
             if not tenants:
-                del self._classes[seq.priority]
+                del self._classes[seq.rank]
         self._len -= 1
         return True
+
+    def _least_served(self, rank: Rank) -> str:
+        # NOTE: min keeps the first of equals: the rotation order breaks ties.
+        return min(self._classes[rank], key=self.counters.__getitem__)
+
+    def _next_unoffered(self, rank: Rank, offered: set[int],
+                        turns: dict[str, int]) -> Sequence | None:
+        best, best_key = None, (0.0, 0)
+        for tenant, queue in self._classes.get(rank, {}).items():
+            head = next((s for s in queue if id(s) not in offered), None)
+            key = (self.counters[tenant], turns.get(tenant, 0))
+            if head is not None and (best is None or key < best_key):
+                best, best_key = head, key
+        return best

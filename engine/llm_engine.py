@@ -30,10 +30,11 @@ from engine.metrics import EngineMetrics
 from engine.model_runner import DTYPES, ModelRunner
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
+from engine.parallel import usage_of
 from engine.pooling import GENERATIVE, read_max_seq_length, read_pooling
 from engine.prefix_hash import PrefixSummary, cache_scope
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, usage_of
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculative import SpeculationGovernor
 
@@ -103,7 +104,8 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, metrics=self.metrics,
             slots=slots, speculative_tokens=config.num_speculative_tokens
             if config.speculative != "off" else 0,
-            speculative_max_batch=config.speculative_max_batch)
+            speculative_max_batch=config.speculative_max_batch,
+            reserve_seats=config.priority_reserve_seats)
         self.governor = SpeculationGovernor() if config.speculative != "off" else None
         self.drafter: DraftModel | None = None
         if config.speculative.startswith("draft:"):
@@ -133,7 +135,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=request.request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
             params=params, seed=params.seed if params.seed is not None else secrets.randbits(63),
-            tenant_id=request.tenant_id, priority=request.priority,
+            tenant_id=request.tenant_id, **_service(request),
             cache_scope=cache_scope(request.tenant_id, request.cache_salt,
                                     adapter_hash or request.adapter),
             deadline=request.deadline, adapter_hash=adapter_hash,
@@ -163,7 +165,7 @@ class LLMEngine:
         seq = Sequence(
             request_id=request.request_id, token_ids=list(inputs[0]),
             num_prompt_tokens=len(inputs[0]), params=SamplingParams(max_tokens=1), seed=0,
-            tenant_id=request.tenant_id, priority=request.priority,
+            tenant_id=request.tenant_id, **_service(request),
             cache_scope=cache_scope(request.tenant_id, request.cache_salt,
                                     request.adapter_hash or request.adapter),
             deadline=request.deadline, adapter_hash=request.adapter_hash)
@@ -443,6 +445,7 @@ class LLMEngine:
             "ttft": m.ttft.to_dict(), "itl": m.itl.to_dict(), "e2e": m.e2e.to_dict(),
             "queue": m.queue.to_dict(),
             "tenants_waiting": self.scheduler.waiting.num_tenants(),
+            "tiers": m.tiers_snapshot(), "served": m.served_snapshot(),
             "adapters_in_slots": sorted(self.scheduler.slots.slot_of)
             if self.scheduler.slots else [],
             "time": time.time(),
@@ -480,3 +483,9 @@ def _send_prompt_logprobs(due: list[Sequence], outputs: list[RequestOutput]) -> 
         if out is not None:
             out.prompt_logprobs = list(seq.prompt_logprobs)
             seq.prompt_logprobs_sent = True
+
+
+def _service(request: protocol.EngineRequest) -> dict[str, Any]:
+    """How ``request``'s sequences are scheduled: tier, class, fair weight, queue deadline."""
+    return {"priority": request.priority, "tier": protocol.tier_of(request),
+            "fair_weight": request.fair_weight, "queue_deadline": request.queue_deadline}

@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+from engine import protocol
+
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                   120.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -110,6 +112,33 @@ class EngineMetrics:
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     clock: PhaseClock = field(default_factory=PhaseClock)  # the step's phases
+    tiers: dict[str, TierMetrics] = field(default_factory=dict)  # by service tier
+    # Tokens computed for each (tenant, tier): prompt tokens run and tokens generated,
+    # recomputation and prefix-cache hits not counted (engine/fair_share.py).
+    served: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def tier(self, name: str) -> TierMetrics:
+        if name not in self.tiers:
+            self.tiers[name] = TierMetrics()
+        return self.tiers[name]
+
+    def record_first_token(self, ttft_s: float, tier: str) -> None:
+        self.ttft.observe(ttft_s)
+        self.tier(tier).ttft.observe(ttft_s)
+
+    def record_preemption(self, tier: str) -> None:
+        self.tier(tier).preemptions += 1
+
+    def record_service(self, tenant: str, tier: str, tokens: int) -> None:
+        if tokens:
+            self.served[tenant, tier] = self.served.get((tenant, tier), 0) + tokens
+
+    def served_snapshot(self) -> list[list[Any]]:
+        """[tenant, tier, tokens] rows, for the exposition (not the heartbeat)."""
+        return [[tenant, tier, n] for (tenant, tier), n in sorted(self.served.items())]
+
+    def tiers_snapshot(self) -> dict[str, Any]:
+        return {name: t.to_dict() for name, t in sorted(self.tiers.items())}
 
     def record_draft(self, proposed: int, accepted: int) -> None:
         """A draft of ``proposed`` tokens was verified; its first ``accepted`` were kept."""
@@ -130,12 +159,27 @@ class EngineMetrics:
         self.prompt_rate.add(prompt_tokens, now)
         self.generation_rate.add(generation_tokens, now)
 
-    def record_finish(self, reason: str, *, total_s: float, queue_s: float) -> None:
+    def record_finish(self, reason: str, *, total_s: float, queue_s: float,
+                      tier: str = protocol.TIER_DEFAULT) -> None:
         """A request ended: ``total_s`` from arrival to its end, ``queue_s`` of it waiting
         for its first step."""
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
         self.e2e.observe(total_s)
         self.queue.observe(queue_s)
+        self.tier(tier).queue.observe(queue_s)
+
+
+@dataclass(slots=True)
+class TierMetrics:
+    """One service tier's time to first token, wait in the queue and preemptions."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS_S))
+    preemptions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ttft": self.ttft.to_dict(), "queue": self.queue.to_dict(),
+                "preemptions": self.preemptions}
 
 
 # Each engine's series carry these labels, as vLLM's do: the model served and the engine.
@@ -150,7 +194,7 @@ _GAUGES = (  # (name, snapshot key, help)
     ("atrium_engine_kv_blocks_total", "kv_blocks_total", "KV cache blocks."),
     ("atrium_engine_kv_blocks_used", "kv_blocks_used", "KV cache blocks held by requests."),
     ("atrium_engine_tenants_waiting", "tenants_waiting",
-     "Tenants with requests waiting (the fair queue's round-robin)."),
+     "Tenants with requests waiting (each class counts a tenant once)."),
     ("atrium_engine_requests_queued", "queued",
      "Requests placed on this engine that wait unread in its own stream."),
 )
@@ -238,6 +282,7 @@ class SnapshotCollector:
             family.add_metric(values, list(zip(bounds, accumulate(hist["counts"]), strict=True)),
                               hist["sum"])
             yield family
+        yield from _tier_families(snapshot, names, values)
         if (lora := snapshot.get("lora")) is not None:
             # As vLLM: one series whose labels are the adapters running and waiting now
             # (comma-separated) and whose value is when that was so; readers take the
@@ -248,6 +293,43 @@ class SnapshotCollector:
             info.add_metric([*values, str(lora["max_lora"]), ",".join(lora["running"]),
                              ",".join(lora["waiting"])], snapshot["time"])
             yield info
+
+
+def _tier_families(snapshot: dict[str, Any], names: list[str],
+                   values: list[str]) -> Iterator[Metric]:
+    """The service tiers' series: TTFT and queue time histograms and preemptions by tier,
+    tokens served by tenant and tier."""
+    tiers = snapshot.get("tiers", {})
+    for name, key, help_text in _TIER_HISTOGRAMS:
+        family = HistogramMetricFamily(name, help_text, labels=[*names, "service_tier"])
+        for tier, figures in tiers.items():
+            hist = figures[key]
+            bounds = [*map(floatToGoString, hist["buckets"]), "+Inf"]
+            family.add_metric([*values, tier],
+                              list(zip(bounds, accumulate(hist["counts"]), strict=True)),
+                              hist["sum"])
+        yield family
+    preempted = CounterMetricFamily("atrium_engine_tier_preemptions",
+                                    "Requests preempted, by the service tier of the one preempted.",
+                                    labels=[*names, "service_tier"])
+    for tier, figures in tiers.items():
+        preempted.add_metric([*values, tier], figures["preemptions"])
+    yield preempted
+    served = CounterMetricFamily(
+        "atrium_engine_tokens_served", "Tokens computed for each tenant in each service tier "
+        "(prompt tokens run and tokens generated; recomputation and cache hits not counted).",
+        labels=[*names, "tenant", "service_tier"])
+    for tenant, tier, tokens in snapshot.get("served", []):
+        served.add_metric([*values, tenant, tier], tokens)
+    yield served
+
+
+_TIER_HISTOGRAMS = (
+    ("atrium_engine_tier_time_to_first_token_seconds", "ttft",
+     "Time from arrival to the first token, by service tier."),
+    ("atrium_engine_tier_queue_time_seconds", "queue",
+     "Time from arrival to the first step, by service tier."),
+)
 
 
 def engine_registry(latest: Callable[[], dict[str, Any] | None], *, model_name: str,

@@ -34,6 +34,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=int(env("ATRIUM_MAX_WAITING", "32")),
                         help="requests held waiting here at most; the rest wait in Redis, "
                              "where an idle engine of the model may take them")
+    parser.add_argument("--priority-reserve-seats", type=int,
+                        default=int(env("ATRIUM_PRIORITY_RESERVE_SEATS", "0")),
+                        help="seats of --max-num-seqs only service_tier=priority requests take")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(env("ATRIUM_MAX_NUM_BATCHED_TOKENS", "512")))
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -109,7 +112,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             model_dir=model_dir, device=device, dtype=dtype, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_mib * 2**20,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-            max_waiting=args.max_waiting,
+            max_waiting=args.max_waiting, priority_reserve_seats=args.priority_reserve_seats,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             adapter_store=Path(args.adapter_store) if args.adapter_store else None,

@@ -20,12 +20,14 @@ grammar state of its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from engine.batch import RunnerOutput, SampleFailure
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import Usage
 from engine.seeds import choice_seed
 from engine.sequence import Sequence, SequenceStatus
 
@@ -140,9 +142,30 @@ def _sibling(seq: Sequence, token_ids: list[int], index: int, **state: Any) -> S
     return Sequence(
         request_id=choice_id(seq.group.request_id, index), token_ids=list(token_ids),
         num_prompt_tokens=len(token_ids), params=seq.params, seed=seq.group.seeds[index],
-        tenant_id=seq.tenant_id, priority=seq.priority, cache_scope=seq.cache_scope,
-        deadline=seq.deadline,
+        tenant_id=seq.tenant_id, priority=seq.priority, tier=seq.tier,
+        fair_weight=seq.fair_weight, cache_scope=seq.cache_scope, deadline=seq.deadline,
+        queue_deadline=seq.queue_deadline,
         detokenizer=None if detok is None else IncrementalDetokenizer(
             detok.tokenizer, detok.stop, skip_special_tokens=detok.skip_special_tokens),
         adapter_hash=seq.adapter_hash, group=seq.group, index=index, arrival=seq.arrival,
         **state)
+
+
+def usage_of(seq: Sequence) -> Usage:
+    """A request's usage: each prompt counted once, the output of every choice."""
+    prompts = prompts_of(seq)
+    members = [m for m in seq.group.members if m is not None] if seq.group else [seq]
+    arrival, now = prompts[0].arrival, time.monotonic()
+    scheduled = min((p.scheduled_at for p in prompts if p.scheduled_at is not None),
+                    default=now)
+    first_token = min((m.first_token_at for m in members if m.first_token_at is not None),
+                      default=None)
+    return Usage(
+        prompt_tokens=sum(p.num_prompt_tokens_done for p in prompts),
+        completion_tokens=sum(m.num_output_tokens for m in members),
+        cached_tokens=sum(p.num_cached_tokens for p in prompts),
+        queue_s=scheduled - arrival,
+        ttft_s=None if first_token is None else first_token - arrival,
+        total_s=now - arrival,
+        adapter_wait_s=None if prompts[0].adapter_ready_at is None
+        else prompts[0].adapter_ready_at - arrival)

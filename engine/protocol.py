@@ -196,6 +196,7 @@ TASKS = (TASK_GENERATE, TASK_EMBED)
 # An embed request's inputs after ``prompt_token_ids``, at most (OpenAI's /v1/embeddings
 # takes lists of inputs; 256 in all).
 MAX_EMBED_INPUTS = 255
+MAX_FAIR_WEIGHT = 1000.0
 
 
 def max_extra_prompts(task: str) -> int:
@@ -203,10 +204,26 @@ def max_extra_prompts(task: str) -> int:
     return MAX_EMBED_INPUTS if task == TASK_EMBED else MAX_EXTRA_PROMPTS
 
 
-# The priority class of batch requests (the Batch API): below every plan's, so the
-# scheduler serves them only from capacity interactive requests leave, and preempts them
-# first.
+# Service tiers (docs/tiers.md), in the order the scheduler serves them: "priority" ahead
+# of "default", then the spare-capacity tiers, which run only on what those two leave and
+# are preempted first: "flex" (OpenAI's, at a lower price) and "batch" (the Batch API's
+# lines). Within a tier the plan's ``priority`` orders, then token-fair service.
+TIER_PRIORITY = "priority"
+TIER_DEFAULT = "default"
+TIER_FLEX = "flex"
+TIER_BATCH = "batch"
+TIERS = (TIER_PRIORITY, TIER_DEFAULT, TIER_FLEX, TIER_BATCH)
+SPARE_TIERS = frozenset((TIER_FLEX, TIER_BATCH))
+
+# An earlier web tier's batch lines came as this priority with no tier: still the batch tier.
 BATCH_PRIORITY = 100
+
+
+def tier_of(request: EngineRequest) -> str:
+    """The tier ``request`` runs in (an earlier web tier named batch lines by priority)."""
+    if request.service_tier == TIER_DEFAULT and request.priority >= BATCH_PRIORITY:
+        return TIER_BATCH
+    return request.service_tier
 
 
 @dataclass(slots=True)
@@ -231,8 +248,15 @@ class EngineRequest:
     # line's, the same for each attempt at it, so a line is billed once.
     usage_id: str | None = None
     price_class: str = "interactive"  # "batch", "embedding": the price book's class it bills at
-    priority: int = 0  # lower runs first
+    priority: int = 0  # the plan's class within its tier; lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
+    service_tier: str = TIER_DEFAULT  # one of TIERS
+    # The tenant's weight in token-fair scheduling (its plan's): twice the weight, twice the
+    # tokens of service when tenants compete (engine/fair_share.py).
+    fair_weight: float = 1.0
+    # Unix seconds: a request not yet started by then ends with FINISH_QUEUE_TIMEOUT, having
+    # used nothing (flex: the client's timeout).
+    queue_deadline: float | None = None
     arrival: float = field(default_factory=time.time)
     version: int = PROTOCOL_VERSION
     # Prompts 1..P-1, each run like ``prompt_token_ids`` (prompt 0); prompt p's sample i is
@@ -276,6 +300,10 @@ class EngineRequest:
             raise ValueError(f"request.traceparent is longer than {TRACEPARENT_MAX} characters")
         if request.task not in TASKS:
             raise ValueError(f"request.task must be one of {', '.join(TASKS)}")
+        if request.service_tier not in TIERS:
+            raise ValueError(f"request.service_tier must be one of {', '.join(TIERS)}")
+        if not 0 < request.fair_weight <= MAX_FAIR_WEIGHT:
+            raise ValueError(f"request.fair_weight must be above 0 and at most {MAX_FAIR_WEIGHT}")
         return request
 
 
@@ -303,6 +331,8 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 FINISH_DEADLINE = "deadline"
+# It waited past its queue_deadline without starting: nothing ran, nothing is billed.
+FINISH_QUEUE_TIMEOUT = "queue_timeout"
 
 # The ``code`` of an EV_ERROR event.
 ERROR_INVALID_REQUEST = "invalid_request"  # malformed entry or a request the engine refuses

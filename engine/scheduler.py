@@ -5,10 +5,11 @@ Plain Python, no tensors. Each step the scheduler fills a token budget:
 1. running sequences, decodes first, then prompt chunks (chunked prefill);
 2. when the KV pool cannot hold a running sequence's next tokens, the lowest-priority,
    latest-arrived running sequence is preempted: its blocks go back to the pool and it
-   waits to be recomputed (its prompt and output so far run again as a prefill); batch
-   work (the Batch API's class) runs on spare capacity only (engine/spare_capacity.py);
-3. then waiting sequences, fairly across tenants (``FairQueue``), each starting from
-   whatever prefix of it the prefix cache already holds.
+   waits to be recomputed (its prompt and output so far run again as a prefill); the
+   victim is of the lowest tier, then the tenant most served; the spare tiers (flex, the
+   Batch API's lines) run on spare capacity only (engine/tiers.py);
+3. then waiting sequences, by tier and token-fairly across tenants (``FairQueue``), each
+   starting from whatever prefix of it the prefix cache already holds.
 
 ``postprocess`` takes the runner's sampled tokens, appends them, detokenizes, and
 decides who stopped. A request with several prompts queues a sequence for each; with
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from engine import parallel, protocol, spare_capacity, speculative
+from engine import parallel, protocol, speculative, tiers
 from engine.batch import (
     RunnerOutput,
     SampleFailure,
@@ -29,6 +30,7 @@ from engine.batch import (
     TokenLogprobs,
 )
 from engine.fair_queue import FairQueue
+from engine.fair_share import ServiceCounters
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.slots import AdapterSlots
 from engine.metrics import EngineMetrics
@@ -42,7 +44,7 @@ class Scheduler:
                  enable_chunked_prefill: bool = True,
                  metrics: EngineMetrics | None = None,
                  slots: AdapterSlots | None = None, speculative_tokens: int = 0,
-                 speculative_max_batch: int = 4) -> None:
+                 speculative_max_batch: int = 4, reserve_seats: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -58,9 +60,11 @@ class Scheduler:
         # With a draft model: its proposals for the next step, by sequence (else n-grams).
         self.drafted: dict[str, list[int]] | None = None
         self.speculation_paused = False  # set per step by the engine's SpeculationGovernor
-        self.waiting = FairQueue()
-        self.batch_sits_out = False  # this step: an interactive sequence is starting
-        self.batch_tokens_left = 0  # this step: what batch work may still take
+        self.reserve_seats = reserve_seats  # seats only the priority tier may take
+        self.counters = ServiceCounters()  # each tenant's service here (token-fair)
+        self.waiting = FairQueue(self.counters)
+        self.spare_sits_out = False  # this step: a default or priority sequence is starting
+        self.spare_tokens_left = 0  # this step: what spare-tier work may still take
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # by engine-internal id (parallel.choice_id)
         # Requests with more than one choice (engine/parallel.py), by request id.
@@ -80,6 +84,7 @@ class Scheduler:
             self.groups[seq.request_id] = seq.group
         for p in prompts:
             self.sequences[p.request_id] = p
+            self.counters.arrive(p.tenant_id)
             self.waiting.push(p)
 
     def abort(self, request_id: str, reason: str | None,
@@ -96,11 +101,22 @@ class Scheduler:
         return self._finish(seq, reason, text=text, error=error)
 
     def expire(self, now: float | None = None) -> list[RequestOutput]:
-        """Ends every request whose deadline has passed."""
+        """Ends every request whose deadline has passed, and every one not yet started by its
+        queue deadline."""
         now = time.time() if now is None else now
         late = dict.fromkeys(s.reported_id for s in self.sequences.values()
                              if s.deadline is not None and now >= s.deadline)
-        return [self.abort(request_id, protocol.FINISH_DEADLINE) for request_id in late]
+        unstarted = dict.fromkeys(
+            s.reported_id for s in self.sequences.values()
+            if s.queue_deadline is not None and now >= s.queue_deadline
+            and s.reported_id not in late and not self._started(s))
+        return [self.abort(request_id, protocol.FINISH_DEADLINE) for request_id in late] + \
+            [self.abort(request_id, protocol.FINISH_QUEUE_TIMEOUT) for request_id in unstarted]
+
+    @staticmethod
+    def _started(seq: Sequence) -> bool:
+        """Whether any prompt of ``seq``'s request has been scheduled."""
+        return any(p.scheduled_at is not None for p in parallel.prompts_of(seq))
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
@@ -109,12 +125,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         scheduled: dict[str, tuple[Sequence, int]] = {}  # in batch order
-        victim = spare_capacity.seat_to_yield(self.waiting, self.running, self.kv,
-                                              self.max_num_seqs)
+        victim = tiers.seat_to_yield(self.waiting, self.running, self.kv, self.max_num_seqs,
+                                     self.reserve_seats)
         if victim is not None:
             self._preempt(victim)
-        self.batch_sits_out = spare_capacity.interactive_starting(self.waiting, self.running)
-        self.batch_tokens_left = spare_capacity.BATCH_STEP_TOKENS
+        self.spare_sits_out = tiers.interactive_starting(self.waiting, self.running)
+        self.spare_tokens_left = tiers.SPARE_STEP_TOKENS
         budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens)
         # New work only when nothing had to make room this step.
         if not preempted:
@@ -135,9 +151,9 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or (
-                    self.batch_sits_out and spare_capacity.is_batch(seq)):
-                continue  # preempted earlier in this loop, or batch work sitting out
-            n = min(seq.num_uncomputed, budget, self._batch_cap(seq))
+                    self.spare_sits_out and tiers.is_spare(seq)):
+                continue  # preempted earlier in this loop, or spare work sitting out
+            n = min(seq.num_uncomputed, budget, self._spare_cap(seq))
             if n == 0 or (n < seq.num_uncomputed and not self.enable_chunked_prefill):
                 continue
             seq.draft = self._draft(seq, budget - 1) \
@@ -146,7 +162,8 @@ class Scheduler:
             if seq.draft and not self.kv.allocate_slots(seq, n):
                 n, seq.draft = n - len(seq.draft), []  # speculation never preempts anyone
             while not self.kv.allocate_slots(seq, n):
-                victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+                victim = max(self.running, key=lambda s: (
+                    s.rank, self.counters[s.tenant_id], s.arrival))
                 self._preempt(victim)
                 preempted = True
                 if victim.request_id in scheduled:  # it gives back what it was granted
@@ -158,16 +175,19 @@ class Scheduler:
                 # NOTE: draft tokens are not in token_ids: only verified ones are indexed.
                 self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 budget -= n
-                self._batch_took(seq, n)
+                self._took(seq, n)
         return budget, preempted
 
-    def _batch_cap(self, seq: Sequence) -> int:
-        """The most tokens ``seq`` may run this step: batch work takes a short share."""
-        return self.batch_tokens_left if spare_capacity.is_batch(seq) else seq.num_tokens
+    def _spare_cap(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` may run this step: spare-tier work takes a short share."""
+        return self.spare_tokens_left if tiers.is_spare(seq) else seq.num_tokens
 
-    def _batch_took(self, seq: Sequence, n: int) -> None:
-        if spare_capacity.is_batch(seq):
-            self.batch_tokens_left -= n
+    def _took(self, seq: Sequence, n: int) -> None:
+        """``seq`` runs ``n`` tokens this step: its tenant is charged for the service."""
+        served = self.counters.charge(seq, seq.num_computed_tokens, n)
+        self.metrics.record_service(seq.tenant_id, seq.tier, served)
+        if tiers.is_spare(seq):
+            self.spare_tokens_left -= n
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
         """The tokens ``seq`` speculates this step (engine/speculative.py): none unless it
@@ -212,15 +232,16 @@ class Scheduler:
         waiting_for_slot = False
         seats = sum(parallel.seats(s) for s in self.running)  # an unforked prompt's: n
         for seq in self.waiting.candidates():
-            if budget == 0 or seats + parallel.seats(seq) > self.max_num_seqs or (
-                    self.batch_sits_out and spare_capacity.is_batch(seq)):
+            if budget == 0 or not tiers.may_start(seq, seats, self.max_num_seqs,
+                                                  self.reserve_seats) or (
+                    self.spare_sits_out and tiers.is_spare(seq)):
                 break
             if seq.adapter_hash is not None and (
                     waiting_for_slot or not self.slots.can_acquire(seq.adapter_hash)):
                 waiting_for_slot = True
                 continue
             computed, num_cached = self.kv.get_computed_blocks(seq)
-            n = min(seq.num_tokens - num_cached, budget, self._batch_cap(seq))
+            n = min(seq.num_tokens - num_cached, budget, self._spare_cap(seq))
             if n == 0 or (n < seq.num_tokens - num_cached and not self.enable_chunked_prefill):
                 break
             if not self.kv.allocate_slots(seq, n, computed):
@@ -229,7 +250,7 @@ class Scheduler:
             scheduled[seq.request_id] = (seq, n)
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + n)
             budget -= n
-            self._batch_took(seq, n)
+            self._took(seq, n)
             seats += parallel.seats(seq)
 
     def _start(self, seq: Sequence, num_cached: int) -> None:
@@ -296,7 +317,7 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = now
             if seq.index == 0:  # a request's first token (its first prompt's)
-                self.metrics.ttft.observe(now - seq.arrival)
+                self.metrics.record_first_token(now - seq.arrival, seq.tier)
         else:
             self.metrics.itl.observe(now - seq.last_token_at)
         seq.last_token_at = now
@@ -355,6 +376,7 @@ class Scheduler:
             if child.adapter_hash is not None:
                 child.adapter_slot = self.slots.acquire(child.adapter_hash)
             self.sequences[child.request_id] = child
+            self.counters.arrive(child.tenant_id)
             self.running.append(child)
             group.members[child.index] = child
         return children
@@ -392,6 +414,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.metrics.record_preemption(seq.tier)
         self.waiting.push_front(seq)
 
     def _release_slot(self, seq: Sequence) -> None:
@@ -448,9 +471,9 @@ class Scheduler:
 
     def _finished(self, seq: Sequence, reason: str | None) -> Usage:
         """A request's usage as it ends; counted in the metrics."""
-        usage = usage_of(seq)
+        usage = parallel.usage_of(seq)
         self.metrics.record_finish(reason or "error", total_s=usage.total_s,
-                                   queue_s=usage.queue_s)
+                                   queue_s=usage.queue_s, tier=seq.tier)
         return usage
 
     def _release(self, seq: Sequence, reason: str | None) -> None:
@@ -464,23 +487,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.sequences[seq.request_id]
+        self.counters.leave(seq.tenant_id)
 
-
-def usage_of(seq: Sequence) -> Usage:
-    """A request's usage: each prompt counted once, the output of every choice."""
-    prompts = parallel.prompts_of(seq)
-    members = [m for m in seq.group.members if m is not None] if seq.group else [seq]
-    arrival, now = prompts[0].arrival, time.monotonic()
-    scheduled = min((p.scheduled_at for p in prompts if p.scheduled_at is not None),
-                    default=now)
-    first_token = min((m.first_token_at for m in members if m.first_token_at is not None),
-                      default=None)
-    return Usage(
-        prompt_tokens=sum(p.num_prompt_tokens_done for p in prompts),
-        completion_tokens=sum(m.num_output_tokens for m in members),
-        cached_tokens=sum(p.num_cached_tokens for p in prompts),
-        queue_s=scheduled - arrival,
-        ttft_s=None if first_token is None else first_token - arrival,
-        total_s=now - arrival,
-        adapter_wait_s=None if prompts[0].adapter_ready_at is None
-        else prompts[0].adapter_ready_at - arrival)

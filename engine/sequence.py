@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import protocol
 from engine.batch import PromptLogprob
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -26,7 +27,10 @@ class Sequence:
     params: SamplingParams
     seed: int  # the request's seed, or one drawn at arrival: recompute resamples the same
     tenant_id: str = ""
-    priority: int = 0  # lower runs first
+    priority: int = 0  # the plan's class within its tier; lower runs first
+    tier: str = protocol.TIER_DEFAULT  # its service tier (protocol.TIERS)
+    fair_weight: float = 1.0  # its tenant's weight in token-fair service (engine/fair_share.py)
+    queue_deadline: float | None = None  # unix seconds: not started by then, it ends unrun
     # Scopes prefix-cache hits: folded into the first block's hash (see kv_cache_manager).
     cache_scope: bytes = b""
     deadline: float | None = None  # unix seconds
@@ -51,6 +55,7 @@ class Sequence:
     # The most prompt tokens ever computed (or found cached): what the prompt is billed for.
     num_prompt_tokens_done: int = 0
     num_preemptions: int = 0
+    num_charged_tokens: int = 0  # positions its tenant was charged for (fair_share)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
@@ -68,6 +73,11 @@ class Sequence:
     # An embed request's input (engine/embedding.py, PooledInput): its prompt is run and
     # pooled into a vector, nothing is sampled, and it ends once its last chunk has run.
     embedding: Any = None
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its class in the waiting queue, lower first: its tier's, then its plan's priority."""
+        return protocol.TIERS.index(self.tier), self.priority
 
     @property
     def reported_id(self) -> str:

@@ -26,8 +26,7 @@ from engine.lora.slots import AdapterSlots
 from engine.lora.store import AdapterStore, is_hash
 from engine.models.model_config import ModelConfig
 from engine.outputs import RequestOutput
-from engine.parallel import choices_of
-from engine.scheduler import usage_of
+from engine.parallel import choices_of, usage_of
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:

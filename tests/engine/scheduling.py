@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from engine import protocol
 from engine.batch import RunnerOutput, SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
@@ -15,14 +16,16 @@ _ids = itertools.count()
 
 
 def seq(prompt_len: int = 8, *, tenant: str = "t1", max_tokens: int = 4, priority: int = 0,
-        scope: bytes = b"t1", prompt: list[int] | None = None, **params) -> Sequence:
+        scope: bytes = b"t1", prompt: list[int] | None = None,
+        tier: str = protocol.TIER_DEFAULT, weight: float = 1.0, **params) -> Sequence:
     n = next(_ids)
     # Distinct prompts by default, so sequences share a prefix only when a test says so.
     tokens = prompt if prompt is not None else [(7 * i + 3 * n) % 997 for i in range(prompt_len)]
     return Sequence(request_id=f"s{n}", token_ids=list(tokens),
                     num_prompt_tokens=len(tokens),
                     params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
-                    seed=0, tenant_id=tenant, priority=priority, cache_scope=scope)
+                    seed=0, tenant_id=tenant, priority=priority, cache_scope=scope,
+                    tier=tier, fair_weight=weight)
 
 
 def scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,

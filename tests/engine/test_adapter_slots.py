@@ -45,9 +45,9 @@ def test_candidates_interleave_tenants_round_by_round():
     a1, a2, b1, c1 = seq(tenant="a"), seq(tenant="a"), seq(tenant="b"), seq(tenant="c")
     for s in (a1, a2, b1, c1):
         queue.push(s)
-    assert queue.candidates() == [a1, b1, c1, a2]
+    assert list(queue.candidates()) == [a1, b1, c1, a2]
     queue.take(b1)
-    assert queue.candidates() == [a1, c1, a2]
+    assert list(queue.candidates()) == [a1, c1, a2]
     assert queue.pop() is a1 and queue.pop() is c1
 
 

@@ -208,9 +208,8 @@ def test_any_workload_finishes_within_memory_and_budget(requests, num_blocks, bu
 
 
 def test_batch_work_gives_its_seat_to_interactive_work_and_finishes_after():
-    BATCH_PRIORITY = protocol.BATCH_PRIORITY
     sched = scheduler(max_num_seqs=2)
-    batch_lines = [seq(4, tenant="a", priority=BATCH_PRIORITY, max_tokens=6) for _ in range(2)]
+    batch_lines = [seq(4, tenant="a", tier=protocol.TIER_BATCH, max_tokens=6) for _ in range(2)]
     for s in batch_lines:
         sched.add(s)
     sched.postprocess(first := sched.schedule(), fake_tokens(first))
@@ -227,7 +226,7 @@ def test_batch_work_gives_its_seat_to_interactive_work_and_finishes_after():
 
 def test_batch_work_sits_out_the_steps_an_interactive_request_starts_in():
     sched = scheduler(max_num_seqs=8, budget=64)
-    batch_lines = [seq(4, tenant="a", priority=protocol.BATCH_PRIORITY, max_tokens=8)
+    batch_lines = [seq(4, tenant="a", tier=protocol.TIER_BATCH, max_tokens=8)
                    for _ in range(3)]
     for s in batch_lines:
         sched.add(s)
@@ -243,7 +242,7 @@ def test_batch_work_sits_out_the_steps_an_interactive_request_starts_in():
 
 def test_an_interactive_request_short_of_kv_blocks_takes_them_from_batch_work():
     sched = scheduler(num_blocks=6, block_size=4, max_num_seqs=8, budget=64)
-    hog = seq(16, tenant="a", priority=protocol.BATCH_PRIORITY, max_tokens=8)
+    hog = seq(16, tenant="a", tier=protocol.TIER_BATCH, max_tokens=8)
     sched.add(hog)
     sched.postprocess(first := sched.schedule(), fake_tokens(first))
     interactive = seq(12, tenant="b", priority=5, max_tokens=2)
@@ -254,11 +253,11 @@ def test_an_interactive_request_short_of_kv_blocks_takes_them_from_batch_work():
 
 
 def test_batch_work_takes_a_short_share_of_each_step():
-    from engine.spare_capacity import BATCH_STEP_TOKENS
+    from engine.tiers import SPARE_STEP_TOKENS
 
     sched = scheduler(max_num_seqs=64, budget=512, num_blocks=512)
     for _ in range(20):
-        sched.add(seq(8, tenant="a", priority=protocol.BATCH_PRIORITY, max_tokens=4))
+        sched.add(seq(8, tenant="a", tier=protocol.TIER_BATCH, max_tokens=4))
     interactive = seq(40, tenant="b", priority=5, max_tokens=4)
     steps = []
     for _ in range(60):
@@ -272,5 +271,5 @@ def test_batch_work_takes_a_short_share_of_each_step():
     for batch in steps:
         batch_tokens = sum(len(r.token_ids) for r in batch.requests
                            if r.request_id != interactive.request_id)
-        assert batch_tokens <= BATCH_STEP_TOKENS
+        assert batch_tokens <= SPARE_STEP_TOKENS
     assert not sched.has_unfinished()  # and all of it still finishes
