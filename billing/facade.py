@@ -11,8 +11,16 @@ modules need none.
 
 from __future__ import annotations
 
-from billing.models import PRICE_CLASS_EMBEDDING
+from billing.models import (
+    PRICE_CLASS_BATCH,
+    PRICE_CLASS_EMBEDDING,
+    PRICE_CLASS_FLEX,
+    PRICE_CLASS_INTERACTIVE,
+    PRICE_CLASS_PRIORITY,
+)
 from billing.pricing import FREE, Quote, quote
 from billing.selectors import tokens_used_between
 
-__all__ = ["FREE", "PRICE_CLASS_EMBEDDING", "Quote", "quote", "tokens_used_between"]
+__all__ = ["FREE", "PRICE_CLASS_BATCH", "PRICE_CLASS_EMBEDDING", "PRICE_CLASS_FLEX",
+           "PRICE_CLASS_INTERACTIVE", "PRICE_CLASS_PRIORITY", "Quote", "quote",
+           "tokens_used_between"]

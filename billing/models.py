@@ -10,8 +10,12 @@ from tenants.models import ApiKey, Plan, Tenant, TenantOwnedQuerySet
 
 PRICE_CLASS_INTERACTIVE, PRICE_CLASS_BATCH = "interactive", "batch"
 PRICE_CLASS_EMBEDDING = "embedding"
+# The service tiers a request may ask for beyond the default (docs/tiers.md).
+PRICE_CLASS_FLEX, PRICE_CLASS_PRIORITY = "flex", "priority"
 PRICE_CLASSES = [(PRICE_CLASS_INTERACTIVE, "interactive"), (PRICE_CLASS_BATCH, "batch"),
-                 (PRICE_CLASS_EMBEDDING, "embedding")]
+                 (PRICE_CLASS_EMBEDDING, "embedding"), (PRICE_CLASS_FLEX, "flex"),
+                 (PRICE_CLASS_PRIORITY, "priority")]
+MAX_PRIORITY_RATIO = Decimal(10)
 # The input token classes an embedding price replaces (an embedding has no output).
 _EMBEDDED_FIELDS = ("input_per_million", "cached_input_per_million")
 
@@ -31,6 +35,10 @@ class Price(models.Model):
     output_per_million = models.DecimalField(max_digits=18, decimal_places=6)
     # The batch price class (the Batch API): this share of each price above.
     batch_ratio = models.DecimalField(max_digits=7, decimal_places=6, default=Decimal("0.5"))
+    # The service tiers' price classes: these multiples of each price above (flex a share,
+    # priority a premium).
+    flex_ratio = models.DecimalField(max_digits=7, decimal_places=6, default=Decimal("0.5"))
+    priority_ratio = models.DecimalField(max_digits=8, decimal_places=6, default=Decimal(2))
     # The embedding price class (/v1/embeddings): its inputs' price, cached or not.
     # Null: embeddings are billed at input_per_million and cached_input_per_million.
     embedding_per_million = models.DecimalField(max_digits=18, decimal_places=6, null=True,
@@ -47,6 +55,11 @@ class Price(models.Model):
                 & Q(output_per_million__gte=0), name="prices_are_not_negative"),
             models.CheckConstraint(condition=Q(batch_ratio__gte=0) & Q(batch_ratio__lte=1),
                                    name="batch_ratio_is_a_share"),
+            models.CheckConstraint(condition=Q(flex_ratio__gte=0) & Q(flex_ratio__lte=1),
+                                   name="flex_ratio_is_a_share"),
+            models.CheckConstraint(condition=Q(priority_ratio__gte=1)
+                                   & Q(priority_ratio__lte=MAX_PRIORITY_RATIO),
+                                   name="priority_ratio_is_a_premium"),
             models.CheckConstraint(condition=Q(embedding_per_million__isnull=True)
                                    | Q(embedding_per_million__gte=0),
                                    name="embedding_price_is_not_negative"),
@@ -62,6 +75,10 @@ class Price(models.Model):
         value = getattr(self, field)
         if price_class == PRICE_CLASS_BATCH:
             return value * self.batch_ratio
+        if price_class == PRICE_CLASS_FLEX:
+            return value * self.flex_ratio
+        if price_class == PRICE_CLASS_PRIORITY:
+            return value * self.priority_ratio
         if price_class == PRICE_CLASS_EMBEDDING and field in _EMBEDDED_FIELDS \
                 and self.embedding_per_million is not None:
             return self.embedding_per_million
@@ -81,7 +98,8 @@ class UsageRecord(models.Model):
     # The request's ``user`` (an end user of the tenant's app): what its budgets count.
     end_user = models.CharField(max_length=256, blank=True, default="")
     # A batch line (the Batch API) is billed at its prices' batch_ratio; an embedding
-    # (/v1/embeddings) at their embedding_per_million, where set.
+    # (/v1/embeddings) at their embedding_per_million, where set; a flex or priority request
+    # at their flex_ratio or priority_ratio.
     price_class = models.CharField(max_length=16, choices=PRICE_CLASSES,
                                    default=PRICE_CLASS_INTERACTIVE)
     prompt_tokens = models.PositiveIntegerField()

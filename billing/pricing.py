@@ -19,7 +19,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.utils import timezone
 
-from billing.models import PRICE_CLASS_BATCH, PRICE_CLASS_EMBEDDING, PRICE_CLASS_INTERACTIVE
+from billing.models import PRICE_CLASS_INTERACTIVE
 from billing.money import PER, micros, token_cost
 from billing.services.prices import PriceIndex
 
@@ -55,15 +55,12 @@ _cache: dict[tuple[str, str, str], tuple[float, Quote]] = {}
 _lock = threading.Lock()
 
 
-def quote(model: str, adapter: str = "", *, batch: bool = False,
-          embedding: bool = False) -> Quote:
-    """The price in effect now for ``model`` (and ``adapter``'s surcharge), in the batch
-    price class when ``batch``, the embedding one when ``embedding``; free when none.
+def quote(model: str, adapter: str = "", *,
+          price_class: str = PRICE_CLASS_INTERACTIVE) -> Quote:
+    """The price in effect now for ``model`` (and ``adapter``'s surcharge) in ``price_class``
+    (billing.models.PRICE_CLASSES); free when none.
     NOTE: a database read at most every QUOTE_TTL_S: call it off the event loop."""
-    if batch and embedding:
-        raise ValueError("a request is billed in one price class: batch or embedding")
-    klass = PRICE_CLASS_BATCH if batch else \
-        PRICE_CLASS_EMBEDDING if embedding else PRICE_CLASS_INTERACTIVE
+    klass = price_class
     key = (model, adapter, klass)
     now = time.monotonic()
     cached = _cache.get(key)

@@ -128,13 +128,14 @@ def prepare(*, principal: Principal, kind: service.Kind, body: Any,
         user=params.user,
         cache_salt=service.cache_salt(tenant_id=principal.tenant_id, model=model.name,
                                       adapter_hash=None),
-        priority=principal.priority if batch_line is None else protocol.BATCH_PRIORITY,
+        priority=principal.priority, fair_weight=principal.fair_weight,
+        service_tier=protocol.TIER_DEFAULT if batch_line is None else protocol.TIER_BATCH,
         usage_id=batch_line, price_class=billing.PRICE_CLASS_EMBEDDING, deadline=deadline,
         task=protocol.TASK_EMBED)
     prepared = service.Prepared(
         kind=kind, created=created, model=model, adapter=None, params=params,
         engine_request=engine_request, principal=principal,
-        price=billing.quote(model.name, "", embedding=True))
+        price=billing.quote(model.name, "", price_class=billing.PRICE_CLASS_EMBEDDING))
     prepared.embedding = EmbeddingAsk(parsed.encoding_format, parsed.dimensions)
     return prepared
 

@@ -17,7 +17,7 @@ __all__ = [
     "ApiError", "AuthenticationFailed", "InvalidRequest", "PermissionDenied", "QuotaExceeded",
     "RateLimited", "ServiceUnavailable", "ModelNotFound", "ContextLengthExceeded",
     "BodyTooLarge", "NoEngineAvailable", "EngineFailed", "DeadlineExceeded", "AdapterNotReady",
-    "TooLargeForRateLimit",
+    "TooLargeForRateLimit", "ResourceUnavailable",
 ]
 
 
@@ -31,6 +31,13 @@ class AdapterNotReady(ApiError):
 
     status = 409
     code = "adapter_not_ready"
+
+
+class ResourceUnavailable(RateLimited):
+    """A flex request no engine started before its timeout (OpenAI's 429 for flex): it ran
+    nothing and costs nothing."""
+
+    code = "resource_unavailable"
 
 
 class TooLargeForRateLimit(RateLimited):

@@ -218,6 +218,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 class CommonBody(Strict):
     model: NonEmptyText
+    service_tier: Literal["auto", "default", "flex", "priority", "fast"] | None = None  # tiers.py
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None

@@ -35,7 +35,7 @@ from core.errors import ApiError, InvalidRequest
 from core.metrics import ADMISSION_SECONDS
 from core.redis import async_client
 from inference import admission as quota
-from inference import embeddings, responses, resumable, service, telemetry
+from inference import embeddings, responses, resumable, service, telemetry, tiers
 from inference.dispatch import FINAL_WAIT_S, Dispatch
 from inference.event_hub import Replay, Subscription, event_hub
 from inference.requestlog import Trace
@@ -100,7 +100,8 @@ class Run:
     # --- the way in ------------------------------------------------------------------------
 
     async def start(self, *, before_admit: Callable[[], None] | None = None,
-                    batch_line: str | None = None, session: str | None = None) -> Started:
+                    batch_line: str | None = None, session: str | None = None,
+                    client_timeout: str | None = None) -> Started:
         """Admits ``body`` for the caller and queues it.
 
         ``before_admit`` runs once the request is known to be valid, before it takes any
@@ -108,7 +109,9 @@ class Run:
         there, so an invalid request never counts against it. ``batch_line``: a batch
         line's ledger key (the batch runner's requests). ``session``: the conversation's
         hint for placement (the ``x-session-id`` header of the request, or of the
-        websocket's handshake; inference/routing.py); empty is none."""
+        websocket's handshake; inference/routing.py); empty is none. ``client_timeout``:
+        the seconds the client waits for an answer, as it said (tiers.CLIENT_TIMEOUT_HEADER):
+        how long a flex request may wait for an engine."""
         began = time.perf_counter()
         resumable.ensure_ticker()  # this process takes over resumable requests others drop
         if session is not None and len(session) > SESSION_MAX:
@@ -132,6 +135,9 @@ class Run:
         self.trace.prepared = prepared
         prepared.session = session or None
         prepared.engine_request.traceparent = telemetry.traceparent(self.trace.span)
+        request = prepared.engine_request
+        request.queue_deadline = tiers.queue_deadline(request.service_tier, client_timeout,
+                                                      request.deadline or time.time())
         if before_admit is not None:
             before_admit()
         # NOTE: shielded, here and for the dispatch: a cancel landing while the admission

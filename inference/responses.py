@@ -19,6 +19,7 @@ from inference.errors import (
     EngineFailed,
     InvalidRequest,
     NoEngineAvailable,
+    ResourceUnavailable,
     ServiceUnavailable,
 )
 from inference.logprobs import (
@@ -66,6 +67,10 @@ def raise_for_final(event: protocol.Event) -> None:
         raise EngineFailed(f"the engine failed this request ({code})")
     if event.data.get("finish_reason") == protocol.FINISH_DEADLINE:
         raise DeadlineExceeded("the request did not finish before its deadline")
+    if event.data.get("finish_reason") == protocol.FINISH_QUEUE_TIMEOUT:
+        raise ResourceUnavailable("No capacity was free for this flex request before its "
+                                  "timeout; nothing was billed. Retry later, or use the "
+                                  "default service tier.", headers={"retry-after": "30"})
     if event.data.get("finish_reason") == protocol.FINISH_CANCELLED:
         raise EngineFailed("the request was cancelled on the server")
 
@@ -216,7 +221,8 @@ class _ChunkWriter:
             choice["stop_reason"] = stop_reason  # vLLM's extension: what stop ended it
         out = {"id": self.prepared.response_id, "object": self.object,
                "created": self.prepared.created, "model": self.prepared.model_id,
-               "system_fingerprint": None, "choices": [choice]}
+               "system_fingerprint": None, "service_tier": self.prepared.service_tier,
+               "choices": [choice]}
         if self.prepared.params.include_usage:
             out["usage"] = None
         return out
@@ -224,7 +230,8 @@ class _ChunkWriter:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.prepared.response_id, "object": self.object,
                 "created": self.prepared.created, "model": self.prepared.model_id,
-                "system_fingerprint": None, "choices": [], "usage": usage}
+                "system_fingerprint": None, "service_tier": self.prepared.service_tier,
+                "choices": [], "usage": usage}
 
 
 def _final_reasons(data: dict[str, Any]) -> dict[int, tuple[str, float, str | int | None]]:
@@ -315,6 +322,7 @@ async def collect(prepared: Prepared, dispatch: Dispatch) -> dict[str, Any]:
     return {"id": prepared.response_id,
             "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created, "model": prepared.model_id, "system_fingerprint": None,
+            "service_tier": prepared.service_tier,
             "choices": [_choice_object(prepared, choices[i], index, *reasons[i][::2])
                         for index, i in enumerate(kept)],
             "usage": usage_object(final.data.get("usage") or {})}

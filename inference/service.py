@@ -36,6 +36,7 @@ from core.served_models import ChatTemplateError, ServedModel, served_models
 from engine import protocol
 from inference import admission as quota
 from inference import params as p
+from inference import tiers
 from inference.dispatch import Dispatch
 from inference.errors import (
     AdapterNotReady,
@@ -96,6 +97,11 @@ class Prepared:
     def response_id(self) -> str:
         """The id the client sees: the same string the engine, the ledger and the log use."""
         return self.engine_request.request_id
+
+    @property
+    def service_tier(self) -> str:
+        """The tier its answer names (inference/tiers.py)."""
+        return tiers.echoed(self.engine_request.service_tier)
 
     @property
     def model_id(self) -> str:
@@ -280,6 +286,9 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                           "messages" if kind == "chat" else "prompt")
     _check_max_tokens(params, kind, room, principal, model.context_window)
     _check_token_controls(params, model)
+    tier = protocol.TIER_BATCH if batch_line is not None else \
+        tiers.resolve(tiers.asked_tier(body), principal)
+    price_class = billing.PRICE_CLASS_BATCH if batch_line is not None else tiers.PRICE_CLASSES[tier]
     request_id, created, deadline = again or (
         completion_id(endpoint or kind), int(time.time()),
         time.time() + settings.ATRIUM_REQUEST_TIMEOUT_S)
@@ -296,9 +305,11 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                               adapter_hash=adapter.content_hash if adapter else None),
         adapter=adapter.display_name if adapter else None,
         adapter_hash=adapter.content_hash if adapter else None,
-        priority=principal.priority if batch_line is None else protocol.BATCH_PRIORITY,
+        priority=principal.priority,
+        service_tier=tier,
+        fair_weight=principal.fair_weight,
         usage_id=batch_line,
-        price_class="interactive" if batch_line is None else "batch",
+        price_class=price_class,
         deadline=deadline,
     )
     echo = []
@@ -307,7 +318,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
                 model.tokenizer.decode(ids, skip_special_tokens=False)
                 for text, ids in zip(parsed.prompts, prompts, strict=True)]
     price = billing.quote(model.name, adapter.display_name if adapter else "",
-                          batch=batch_line is not None)
+                          price_class=price_class)
     return Prepared(kind=kind, created=created, model=model, adapter=adapter,
                     params=params, engine_request=engine_request, principal=principal,
                     tools=tools, echo=echo, price=price)

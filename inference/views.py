@@ -16,7 +16,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from core.metrics import OPEN_STREAMS
-from inference import pipeline, resumable, resume, service, telemetry
+from inference import pipeline, resumable, resume, service, telemetry, tiers
 from inference.auth import authenticate
 from inference.errors import ApiError, BodyTooLarge, InvalidRequest
 from inference.frames import chat_frames, sse, unnumbered
@@ -132,7 +132,8 @@ async def _run(request: HttpRequest, kind: service.Kind) -> HttpResponse:
     async with pipeline.Run(principal, kind, transport="http", span=span) as run:
         run.body = json_body(request)
         grace = resumable.requested_grace(request.headers.get(resumable.HEADER), principal)
-        started = await run.start(session=request.headers.get("x-session-id"))
+        started = await run.start(session=request.headers.get("x-session-id"),
+                                  client_timeout=request.headers.get(tiers.CLIENT_TIMEOUT_HEADER))
         try:
             if started.prepared.params.stream:
                 frames = chat_frames(run.stream())

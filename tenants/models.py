@@ -41,6 +41,13 @@ class TenantOwnedQuerySet(models.QuerySet):
 
 # The longest a plan lets a resumable stream outlive its client (Plan.resume_grace_s).
 RESUME_GRACE_MAX_S = 3600
+# The service tiers a request may ask for (docs/tiers.md); a plan offers some of them.
+SERVICE_TIERS = ("default", "flex", "priority")
+MAX_FAIR_WEIGHT = 1000.0
+
+
+def _offered_tiers() -> list[str]:
+    return ["default", "flex"]
 
 
 class Plan(models.Model):
@@ -71,6 +78,13 @@ class Plan(models.Model):
     # 0: resumable streams are off).
     resume_grace_s = models.PositiveIntegerField(
         null=True, blank=True, validators=[MaxValueValidator(RESUME_GRACE_MAX_S)])
+    # The service tiers its tenants may ask for (of SERVICE_TIERS), and the one a request
+    # that asks for none ("auto") gets: one of them.
+    service_tiers = models.JSONField(default=_offered_tiers)
+    default_service_tier = models.CharField(max_length=16, default="default")
+    # Its tenants' weight in token-fair scheduling: twice the weight, twice the tokens of
+    # service when tenants compete for an engine (docs/tiers.md).
+    fair_weight = models.FloatField(default=1.0)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -50,6 +50,11 @@ class Principal:
     # Seconds the plan lets a resumable stream keep generating after its client disconnects,
     # at most (None: the server's default; 0: resumable streams are off).
     resume_grace_s: int | None = None
+    # The service tiers the plan offers, the one a request asking for none gets, and the
+    # tenant's weight in token-fair scheduling (docs/tiers.md).
+    service_tiers: tuple[str, ...] = ("default", "flex")
+    default_service_tier: str = "default"
+    fair_weight: float = 1.0
 
     @property
     def key_lineage(self) -> int:
@@ -80,6 +85,8 @@ class Principal:
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
         data["scopes"] = tuple(data.get("scopes", ()))
+        if "service_tiers" in data:
+            data["service_tiers"] = tuple(data["service_tiers"])
         for level in ("tenant_limits", "key_limits"):
             data[level] = Limits(**data.get(level) or {})
         return cls(**data)

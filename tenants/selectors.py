@@ -138,6 +138,9 @@ def principal_for_key(key: ApiKey, *, tenant_limits_: Limits | None = None) -> P
         priority=tenant.plan.priority,
         response_retention_days=tenant.plan.response_retention_days,
         resume_grace_s=tenant.plan.resume_grace_s,
+        service_tiers=tuple(tenant.plan.service_tiers),
+        default_service_tier=tenant.plan.default_service_tier,
+        fair_weight=tenant.plan.fair_weight,
         tenant_limits=tenant_limits_ or tenant_limits(tenant=tenant),
         key_limits=key_limits(tenant=tenant, api_key=key))
 

@@ -9,7 +9,14 @@ from django import forms
 from django.core.validators import MaxValueValidator, MinValueValidator
 
 from billing.models import Export
-from tenants.models import QUOTA_FIELDS, RESUME_GRACE_MAX_S, Role, Scope
+from tenants.models import (
+    MAX_FAIR_WEIGHT,
+    QUOTA_FIELDS,
+    RESUME_GRACE_MAX_S,
+    SERVICE_TIERS,
+    Role,
+    Scope,
+)
 from tenants.selectors import api_key_list
 from tenants.services.quotas import RETENTION_MAX_DAYS
 
@@ -254,6 +261,24 @@ class PlanForm(forms.Form):
         required=False, min_value=0, max_value=RESUME_GRACE_MAX_S,
         label="Seconds a resumable stream keeps generating after its client disconnects, at "
               "most (empty: the server's default; 0: resumable streams off)")
+    service_tiers = forms.MultipleChoiceField(
+        choices=[(t, t) for t in SERVICE_TIERS], initial=["default", "flex"], required=False,
+        widget=forms.CheckboxSelectMultiple,
+        label="Service tiers its tenants may ask for (none checked: default and flex on a new "
+              "plan, unchanged on a saved one)")
+    default_service_tier = forms.ChoiceField(
+        choices=[("", "—"), *((t, t) for t in SERVICE_TIERS)], initial="default",
+        required=False, label="Service tier of a request that asks for none")
+    fair_weight = forms.FloatField(min_value=0.001, max_value=MAX_FAIR_WEIGHT, initial=1.0,
+                                   required=False, label="Weight in token-fair scheduling")
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        # NOTE: a field left empty is not sent on: the plan's (or a new plan's) value stands.
+        for field in ("service_tiers", "default_service_tier", "fair_weight"):
+            if cleaned.get(field) in (None, "", []):
+                cleaned.pop(field, None)
+        return cleaned
 
 
 class PlanUpdateForm(PlanForm):
@@ -283,9 +308,23 @@ class PriceForm(forms.Form):
         min_value=0, max_digits=18, decimal_places=6, required=False,
         label="Embeddings, per million tokens",
         help_text="Empty: embeddings are billed at the input price.")
+    flex_ratio = forms.DecimalField(min_value=0, max_value=1, max_digits=7, decimal_places=6,
+                                    initial="0.5", required=False,
+                                    label="Flex tier: share of these prices (empty: 0.5)")
+    priority_ratio = forms.DecimalField(min_value=1, max_value=10, max_digits=8,
+                                        decimal_places=6, initial="2", required=False,
+                                        label="Priority tier: multiple of these prices "
+                                              "(empty: 2)")
     effective_from = forms.DateTimeField(required=False, label="From (UTC; empty: now)",
                                          widget=forms.DateTimeInput(
                                              attrs={"type": "datetime-local"}))
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        for field in ("flex_ratio", "priority_ratio"):  # empty: the price book's default
+            if cleaned.get(field) is None:
+                cleaned.pop(field, None)
+        return cleaned
 
 
 class BudgetForm(forms.Form):

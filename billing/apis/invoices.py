@@ -28,7 +28,8 @@ class InvoiceLineSerializer(serializers.Serializer):
     exact_amount = serializers.DecimalField(max_digits=24, decimal_places=6)
     price_class = serializers.ChoiceField(
         choices=PRICE_CLASSES, help_text="interactive, batch (the Batch API's lines, at the "
-        "price's batch_ratio) or embedding (/v1/embeddings, at its embedding price)")
+        "price's batch_ratio), embedding (/v1/embeddings, at its embedding price), flex or "
+        "priority (those service tiers, at the price's flex_ratio or priority_ratio)")
 
 
 @extend_schema_serializer(component_name="Invoice")

@@ -29,6 +29,12 @@ class PriceSerializer(serializers.Serializer):
     batch_ratio = serializers.DecimalField(max_digits=7, decimal_places=6,
                                            help_text="the batch price class's share of these "
                                            "prices (the Batch API)")
+    flex_ratio = serializers.DecimalField(max_digits=7, decimal_places=6,
+                                          help_text="the flex service tier's share of these "
+                                          "prices")
+    priority_ratio = serializers.DecimalField(max_digits=8, decimal_places=6,
+                                              help_text="the priority service tier's multiple "
+                                              "of these prices")
     embedding_per_million = serializers.DecimalField(
         **PRICE, allow_null=True, help_text="the embedding price class's price of every input "
         "token (/v1/embeddings); null: embeddings are billed at the input prices")
@@ -67,6 +73,12 @@ class PriceCreateApi(Api):
         batch_ratio = serializers.DecimalField(
             max_digits=7, decimal_places=6, min_value=Decimal(0), max_value=Decimal(1),
             required=False, help_text="the batch price class's share (default 0.5)")
+        flex_ratio = serializers.DecimalField(
+            max_digits=7, decimal_places=6, min_value=Decimal(0), max_value=Decimal(1),
+            required=False, help_text="the flex service tier's share (default 0.5)")
+        priority_ratio = serializers.DecimalField(
+            max_digits=8, decimal_places=6, min_value=Decimal(1), max_value=Decimal(10),
+            required=False, help_text="the priority service tier's multiple (default 2)")
         embedding_per_million = serializers.DecimalField(
             **PRICE, required=False, allow_null=True, help_text="the price of an embedding's "
             "input tokens (/v1/embeddings); absent or null: the input prices")

@@ -155,8 +155,9 @@ class UsageRecordSerializer(serializers.Serializer):
     input_cached_tokens = serializers.IntegerField()
     output_tokens = serializers.IntegerField()
     price_class = serializers.CharField(help_text="interactive; batch (a Batch API line, "
-                                        "whose request_id is <batch id>-<line index>); or "
-                                        "embedding (/v1/embeddings)")
+                                        "whose request_id is <batch id>-<line index>); "
+                                        "embedding (/v1/embeddings); or flex or priority (the "
+                                        "service tier the request asked for)")
     amount = serializers.DictField(child=serializers.CharField(),
                                    help_text='{"value": "<decimal>", "currency": "USD"}')
 

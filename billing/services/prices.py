@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from billing.models import Price
+from billing.models import MAX_PRIORITY_RATIO, Price
 from core.errors import Conflict, InvalidRequest
 from tenants.facade import Actor, audit_record
 
@@ -30,7 +30,9 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
                  output_per_million: Decimal, effective_from: datetime | None = None,
                  adapter: str = "", currency: str | None = None, actor: Actor | None = None,
                  now: datetime | None = None, batch_ratio: Decimal = Decimal("0.5"),
-                 embedding_per_million: Decimal | None = None) -> Price:
+                 embedding_per_million: Decimal | None = None,
+                 flex_ratio: Decimal = Decimal("0.5"),
+                 priority_ratio: Decimal = Decimal(2)) -> Price:
     """A new price from ``effective_from`` (default: now) on; it supersedes the one before,
     never edits it, and never starts in the past: a price never changes what was already
     billed. ``now`` is the clock (tests that build a price history set it).
@@ -50,9 +52,13 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
     if embedding_per_million is not None and embedding_per_million < 0:
         raise InvalidRequest("prices are never negative", param="embedding_per_million",
                              code="invalid_value")
-    if not 0 <= batch_ratio <= 1:
-        raise InvalidRequest("batch_ratio is a share, from 0 to 1", param="batch_ratio",
-                             code="invalid_value")
+    for name, ratio in (("batch_ratio", batch_ratio), ("flex_ratio", flex_ratio)):
+        if not 0 <= ratio <= 1:
+            raise InvalidRequest(f"{name} is a share, from 0 to 1", param=name,
+                                 code="invalid_value")
+    if not 1 <= priority_ratio <= MAX_PRIORITY_RATIO:
+        raise InvalidRequest(f"priority_ratio is a premium, from 1 to {MAX_PRIORITY_RATIO}",
+                             param="priority_ratio", code="invalid_value")
     if Price.objects.filter(model=model, adapter=adapter, currency=currency,
                             effective_from=effective_from).exists():
         raise Conflict(f"a price for '{model}{'+' + adapter if adapter else ''}' already "
@@ -63,6 +69,7 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
             model=model, adapter=adapter, currency=currency, input_per_million=input_per_million,
             cached_input_per_million=cached_input_per_million,
             output_per_million=output_per_million, batch_ratio=batch_ratio,
+            flex_ratio=flex_ratio, priority_ratio=priority_ratio,
             embedding_per_million=embedding_per_million, effective_from=effective_from)
         if actor is not None:
             audit_record(tenant=None, actor=actor, action="price.create", target_type="price",
@@ -72,6 +79,8 @@ def price_create(*, model: str, input_per_million: Decimal, cached_input_per_mil
                              "cached_input_per_million": str(cached_input_per_million),
                              "output_per_million": str(output_per_million),
                              "batch_ratio": str(batch_ratio),
+                             "flex_ratio": str(flex_ratio),
+                             "priority_ratio": str(priority_ratio),
                              "embedding_per_million": None if embedding_per_million is None
                              else str(embedding_per_million),
                              "effective_from": effective_from})

@@ -125,7 +125,9 @@ class ResponseCall:
         self._write(run.prepared)
 
     def _write(self, prepared: Any) -> None:
-        self.writer = ResponseWriter(prepared.response_id, rr.echo_fields(self.request),
+        self.writer = ResponseWriter(prepared.response_id,
+                                     {**rr.echo_fields(self.request),
+                                      "service_tier": prepared.service_tier},
                                      created_at=prepared.created)
 
     @property

@@ -95,8 +95,7 @@ class ResponseBody(Strict):
         | None = None
     reasoning: Reasoning | None = None
     include: Annotated[list[Any], AfterValidator(_none_included)] | None = None
-    service_tier: Annotated[Any, only_values(("auto", "default"), "only 'auto' and 'default' "
-                                       "are served")] = None
+    service_tier: Literal["auto", "default", "flex", "priority", "fast"] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None  # Atrium's extension
     top_logprobs: _unsupported("logprobs are not served on this API; use chat "  # type: ignore
                                "completions") = None
@@ -310,6 +309,7 @@ def chat_body(request: ResponseRequest, messages: list[dict[str, Any]]) -> dict[
     for name, value in (("max_completion_tokens", body.max_output_tokens),
                         ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("parallel_tool_calls", body.parallel_tool_calls),
+                        ("service_tier", body.service_tier),
                         ("user", body.user or body.safety_identifier)):
         if value is not None:
             chat[name] = value
@@ -391,5 +391,5 @@ def echo_fields(request: ResponseRequest) -> dict[str, Any]:
         "text": {"format": text_format}, "truncation": body.truncation or "disabled",
         "user": body.user, "safety_identifier": body.safety_identifier,
         "background": request.background, "store": request.store,
-        "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+        "reasoning": {"effort": None, "summary": None},
     }

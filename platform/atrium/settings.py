@@ -204,6 +204,9 @@ ATRIUM_SSE_KEEPALIVE_S = float(os.environ.get("ATRIUM_SSE_KEEPALIVE_S", "15"))
 ATRIUM_STREAM_STALL_S = float(os.environ.get("ATRIUM_STREAM_STALL_S", "30"))
 # Seconds a request may take end to end before it is stopped with 504.
 ATRIUM_REQUEST_TIMEOUT_S = float(os.environ.get("ATRIUM_REQUEST_TIMEOUT_S", "600"))
+# Seconds a flex request (service_tier "flex") waits for an engine to start it when its
+# client says no timeout (the openai SDK does: x-stainless-read-timeout); then 429.
+ATRIUM_FLEX_QUEUE_TIMEOUT_S = float(os.environ.get("ATRIUM_FLEX_QUEUE_TIMEOUT_S", "600"))
 # How a request is placed on one of its model's engines (inference/routing.py): scored
 # (cached prefix, adapter, load, session), random, or shared (whichever engine reads first).
 ATRIUM_ROUTING = os.environ.get("ATRIUM_ROUTING", "scored")

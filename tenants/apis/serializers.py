@@ -10,9 +10,11 @@ from rest_framework import serializers
 
 from tenants.apis.base import StrictSerializer
 from tenants.models import (
+    MAX_FAIR_WEIGHT,
     QUOTA_FIELDS,
     QUOTA_MAX,
     RESUME_GRACE_MAX_S,
+    SERVICE_TIERS,
     STORAGE_MAX,
     ApiKey,
     Invitation,
@@ -42,6 +44,26 @@ def retention_field(**kwargs: Any) -> serializers.IntegerField:
     return serializers.IntegerField(min_value=0, max_value=RETENTION_MAX_DAYS, allow_null=True,
                                     help_text="days a stored Responses API response is kept "
                                     "(null: the server's default; 0: none stored)", **kwargs)
+
+
+def service_tiers_field(**kwargs: Any) -> serializers.ListField:
+    return serializers.ListField(
+        child=serializers.ChoiceField(choices=SERVICE_TIERS), min_length=1,
+        help_text="the service tiers its tenants may ask for (a request's service_tier; "
+        "docs/tiers.md)", **kwargs)
+
+
+def default_service_tier_field(**kwargs: Any) -> serializers.ChoiceField:
+    return serializers.ChoiceField(
+        choices=SERVICE_TIERS, help_text="the tier of a request that asks for none, or for "
+        "'auto': one of service_tiers", **kwargs)
+
+
+def fair_weight_field(**kwargs: Any) -> serializers.FloatField:
+    return serializers.FloatField(
+        min_value=0.001, max_value=MAX_FAIR_WEIGHT, help_text="its tenants' weight in "
+        "token-fair scheduling: twice the weight, twice the tokens when tenants compete",
+        **kwargs)
 
 
 def resume_grace_field(**kwargs: Any) -> serializers.IntegerField:
@@ -193,6 +215,9 @@ class PlanSerializer(LimitsSerializer):
     max_active_batches = storage_field("max_active_batches")
     response_retention_days = retention_field()
     resume_grace_s = resume_grace_field()
+    service_tiers = service_tiers_field()
+    default_service_tier = default_service_tier_field()
+    fair_weight = fair_weight_field()
 
 
 @extend_schema_serializer(component_name="AuditEvent")

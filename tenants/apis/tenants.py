@@ -14,10 +14,13 @@ from tenants.apis.serializers import (
     LimitsSerializer,
     PlanSerializer,
     TenantSerializer,
+    default_service_tier_field,
+    fair_weight_field,
     limits_of,
     list_of,
     resume_grace_field,
     retention_field,
+    service_tiers_field,
     storage_field,
 )
 from tenants.models import QUOTA_FIELDS, Membership, Role
@@ -74,6 +77,9 @@ class PlanCreateApi(Api):
         max_active_batches = storage_field("max_active_batches", required=False)
         response_retention_days = retention_field(required=False)
         resume_grace_s = resume_grace_field(required=False)
+        service_tiers = service_tiers_field(required=False)
+        default_service_tier = default_service_tier_field(required=False)
+        fair_weight = fair_weight_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Create a plan (operators)", request=InputSerializer,
                    responses={201: PlanSerializer})
@@ -105,6 +111,9 @@ class PlanUpdateApi(Api):
         max_active_batches = storage_field("max_active_batches", required=False)
         response_retention_days = retention_field(required=False)
         resume_grace_s = resume_grace_field(required=False)
+        service_tiers = service_tiers_field(required=False)
+        default_service_tier = default_service_tier_field(required=False)
+        fair_weight = fair_weight_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Change a plan (operators); applies to its tenants "
                    "at once", request=InputSerializer, responses=PlanSerializer)

@@ -9,7 +9,7 @@ from django.utils.text import slugify
 
 from core.errors import Conflict, InvalidRequest
 from tenants.access import SYSTEM, Actor
-from tenants.models import Plan, Tenant
+from tenants.models import MAX_FAIR_WEIGHT, SERVICE_TIERS, Plan, Tenant
 from tenants.services.audit import audit_record
 from tenants.services.key_refresh import tenant_keys_refresh
 from tenants.services.quotas import PLAN_LIMIT_FIELDS, validated_plan_limits
@@ -27,7 +27,26 @@ class TenantError(InvalidRequest):
 
 def _plan_snapshot(plan: Plan) -> dict[str, Any]:
     return {"slug": plan.slug, "name": plan.name, "priority": plan.priority,
-            **{f: getattr(plan, f) for f in PLAN_LIMIT_FIELDS}}
+            **{f: getattr(plan, f) for f in (*PLAN_LIMIT_FIELDS, *_SERVICE_FIELDS)}}
+
+
+# How a plan's requests are served: the tiers offered, the one "auto" picks, the fair weight.
+_SERVICE_FIELDS = ("service_tiers", "default_service_tier", "fair_weight")
+
+
+def _validated_service(tiers: list[str], default: str, weight: float) -> None:
+    if not tiers or not isinstance(tiers, list) or len(set(tiers)) != len(tiers) \
+            or not set(tiers) <= set(SERVICE_TIERS):
+        raise InvalidRequest("'service_tiers' must list distinct tiers of "
+                             f"{', '.join(SERVICE_TIERS)}", param="service_tiers",
+                             code="invalid_value")
+    if default not in tiers:
+        raise InvalidRequest(f"'default_service_tier' must be one of the plan's service_tiers "
+                             f"({', '.join(tiers)})", param="default_service_tier",
+                             code="invalid_value")
+    if not 0 < weight <= MAX_FAIR_WEIGHT:
+        raise InvalidRequest(f"'fair_weight' must be above 0 and at most {MAX_FAIR_WEIGHT:g}",
+                             param="fair_weight", code="invalid_value")
 
 
 def plan_get_default() -> Plan:
@@ -42,7 +61,8 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
                 monthly_token_cap: int | None = None, max_files: int | None = None,
                 max_file_bytes: int | None = None, max_active_batches: int | None = None,
                 response_retention_days: int | None = None,
-                resume_grace_s: int | None = None) -> Plan:
+                resume_grace_s: int | None = None, service_tiers: list[str] | None = None,
+                default_service_tier: str = "default", fair_weight: float = 1.0) -> Plan:
     if Plan.objects.filter(slug=slug).exists():
         raise Conflict(f"plan '{slug}' already exists", param="slug")
     validated_plan_limits({
@@ -52,19 +72,23 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
         "monthly_token_cap": monthly_token_cap, "max_files": max_files,
         "max_file_bytes": max_file_bytes, "max_active_batches": max_active_batches,
         "response_retention_days": response_retention_days, "resume_grace_s": resume_grace_s})
+    service_tiers = ["default", "flex"] if service_tiers is None else service_tiers
+    _validated_service(service_tiers, default_service_tier, fair_weight)
     plan = Plan.objects.create(
         slug=slug, name=name, priority=priority, requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute, max_concurrent_requests=max_concurrent_requests,
         max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
         monthly_token_cap=monthly_token_cap, max_files=max_files,
         max_file_bytes=max_file_bytes, max_active_batches=max_active_batches,
-        response_retention_days=response_retention_days, resume_grace_s=resume_grace_s)
+        response_retention_days=response_retention_days, resume_grace_s=resume_grace_s,
+        service_tiers=service_tiers, default_service_tier=default_service_tier,
+        fair_weight=fair_weight)
     audit_record(tenant=None, actor=actor, action="plan.create", target_type="plan",
                  target_id=plan.slug, after=_plan_snapshot(plan))
     return plan
 
 
-_PLAN_FIELDS = ("name", "priority", *PLAN_LIMIT_FIELDS)
+_PLAN_FIELDS = ("name", "priority", *PLAN_LIMIT_FIELDS, *_SERVICE_FIELDS)
 
 
 @transaction.atomic
@@ -76,6 +100,9 @@ def plan_update(*, actor: Actor, plan: Plan, changes: dict[str, Any]) -> Plan:
             raise InvalidRequest(f"'{field}' cannot be changed", param=field,
                                  code="invalid_value")
     validated_plan_limits({f: v for f, v in changes.items() if f in PLAN_LIMIT_FIELDS})
+    service = {f: changes.get(f, getattr(plan, f)) for f in _SERVICE_FIELDS}
+    _validated_service(service["service_tiers"], service["default_service_tier"],
+                       service["fair_weight"])
     for field, value in changes.items():
         setattr(plan, field, value)
     plan.save()

@@ -44,7 +44,7 @@ def test_a_price_may_set_its_own_batch_ratio_and_the_quote_follows_it(redis_clie
                  output_per_million=Decimal(20), batch_ratio=Decimal("0.25"),
                  effective_from=timezone.now())
     pricing.quotes_forget()
-    live, batch = pricing.quote("m"), pricing.quote("m", batch=True)
+    live, batch = pricing.quote("m"), pricing.quote("m", price_class="batch")
     assert (batch.input, batch.output) == (Decimal("2.5"), Decimal(5))
     assert live.cost_micros(prompt_tokens=1000, cached_tokens=0, completion_tokens=100) == \
         4 * batch.cost_micros(prompt_tokens=1000, cached_tokens=0, completion_tokens=100)

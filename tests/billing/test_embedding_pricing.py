@@ -92,15 +92,13 @@ def test_the_quote_in_the_embedding_class_follows_the_embedding_price(redis_clie
                           cached_input_per_million=Decimal(5), output_per_million=Decimal(20),
                           effective_from=timezone.now())
     pricing.quotes_forget()
-    embedding = pricing.quote("e", embedding=True)
+    embedding = pricing.quote("e", price_class="embedding")
     assert (embedding.input, embedding.cached_input) == (Decimal("0.1"), Decimal("0.1"))
     assert pricing.quote("e").input == Decimal(10)  # its own cache entry
-    assert pricing.quote("e", batch=True).input == Decimal(5)  # batch is unchanged
-    assert pricing.quote("plain", embedding=True).input == Decimal(10)
+    assert pricing.quote("e", price_class="batch").input == Decimal(5)  # batch is unchanged
+    assert pricing.quote("plain", price_class="embedding").input == Decimal(10)
     assert embedding.cost_micros(prompt_tokens=1000, cached_tokens=0, completion_tokens=0) \
         == 100  # what the ledger charges: 0.000100
-    with pytest.raises(ValueError):
-        pricing.quote("e", batch=True, embedding=True)
 
 
 def test_an_adapters_surcharge_is_added_to_the_embedding_price(redis_client):

@@ -224,7 +224,7 @@ def test_a_background_responses_end_is_written_again_when_the_database_refused_i
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"prompt": {"id": "p"}}, "prompt"),
     ({"conversation": "c"}, "conversation"),
-    ({"service_tier": "flex"}, "service_tier"),
+    ({"service_tier": "scale"}, "service_tier"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"background": True, "store": False}, "store"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),

@@ -162,7 +162,7 @@ def test_usage_and_billing_pages_show_what_the_ledger_holds(new_page, world):
     expect(page.locator("#invoice-lines tfoot [data-total]")).to_have_text("6.00")
     output_line = (page.locator("#invoice-lines tbody tr").filter(has_text="tiny-llama")
                    .filter(has_text="output"))
-    expect(output_line.locator("td").nth(3)).to_have_text("1,500,000")
+    expect(output_line.locator("td").nth(4)).to_have_text("1,500,000")
     screenshot(page, "invoice")
     assert errors == []
 

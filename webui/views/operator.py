@@ -192,13 +192,19 @@ def plans(request: HttpRequest) -> HttpResponse:
 def plan(request: HttpRequest, plan_slug: str) -> HttpResponse:
     found = tenant_selectors.plan_get(slug=plan_slug)
     initial = {"name": found.name, "priority": found.priority,
+               "service_tiers": found.service_tiers,
+               "default_service_tier": found.default_service_tier,
+               "fair_weight": found.fair_weight,
                **{f: getattr(found, f) for f in PLAN_LIMIT_FIELDS}}
     form = forms.PlanUpdateForm(request.POST or None, initial=initial)
     if request.method == "POST":
         if not form.is_valid():
             return refused(request, form_errors(form), "webui:op-plan", plan_slug=plan_slug)
-        tenant_services.plan_update(actor=actor_of(request), plan=found,
-                                    changes=dict(form.cleaned_data))
+        try:
+            tenant_services.plan_update(actor=actor_of(request), plan=found,
+                                        changes=dict(form.cleaned_data))
+        except ApiError as exc:
+            return refused(request, exc, "webui:op-plan", plan_slug=plan_slug)
         return done(request, "webui:op-plan", ok=f"Plan {plan_slug} is saved; its tenants' "
                     "keys have the new limits now.", plan_slug=plan_slug)
     return page(request, "webui/operator/plan.html", {
