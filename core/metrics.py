@@ -60,7 +60,8 @@ ROUTING_PLACEMENTS = Counter(
     "atrium_routing_placements", "Requests placed on an engine, by ATRIUM_ROUTING policy and "
     "what decided it (prefix: a cached prefix; session: the conversation's engine; load: "
     "the least busy; random; overflow: no engine had a free seat, so the model's shared "
-    "stream; shared: the policy).", ["policy", "reason"])
+    "stream; shared: the policy; lane: a priority or spare-tier request, on its tier's lane).",
+    ["policy", "reason"])
 AUTH_SECONDS = Histogram(
     "atrium_auth_seconds", "Time to authenticate an API request (the key cache, then the "
     "database on a miss).", buckets=FAST_BUCKETS_S)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 
+from engine import protocol
 from engine.fair_share import ServiceCounters
 from engine.sequence import Sequence
 
@@ -31,6 +32,12 @@ class FairQueue:
     def num_tenants(self) -> int:
         """Tenants with a sequence waiting (one counted once per class)."""
         return sum(len(tenants) for tenants in self._classes.values())
+
+    def num_in(self, tiers: frozenset[str]) -> int:
+        """Sequences waiting in ``tiers``."""
+        ranks = {protocol.TIERS.index(t) for t in tiers}
+        return sum(len(q) for rank, tenants in self._classes.items() if rank[0] in ranks
+                   for q in tenants.values())
 
     def __iter__(self) -> Iterator[Sequence]:
         for rank in sorted(self._classes):

@@ -265,8 +265,18 @@ class LLMEngine:
         return len(self.scheduler.waiting) + self._num_loading()
 
     def room(self) -> int:
-        """How many more requests the worker may hand over now."""
-        return max(0, self.config.max_waiting - self.num_waiting())
+        """How many more requests the worker may hand over now from the streams requests
+        are placed on: those of a lane waiting here take none of it (``lane_room``)."""
+        held = self.num_waiting() - sum(self._lane_waiting(lane) for lane in protocol.LANES)
+        return max(0, self.config.max_waiting - held)
+
+    def lane_room(self, lane: str) -> int:
+        """How many more requests of ``lane`` (protocol.LANES) the worker may hand over."""
+        return max(0, self.config.max_waiting - self._lane_waiting(lane))
+
+    def _lane_waiting(self, lane: str) -> int:
+        return self.scheduler.waiting.num_in(
+            frozenset(t for t in protocol.TIERS if protocol.lane_of(t) == lane))
 
     def step(self) -> list[RequestOutput]:
         clock = self.metrics.clock

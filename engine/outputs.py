@@ -89,6 +89,10 @@ class EngineCore(Protocol):
     def room(self) -> int:
         """How many more requests the worker may read from Redis and hand over now."""
 
+    def lane_room(self, lane: str) -> int:
+        """How many more requests of a service tiers' lane (protocol.LANES) it may hand
+        over now: each lane has a room of its own."""
+
     def step(self) -> list[RequestOutput]: ...
 
     def forget_adapter(self, adapter_hash: str) -> None:
@@ -107,6 +111,9 @@ class PlainEngine:
 
     def forget_adapter(self, adapter_hash: str) -> None:
         return None
+
+    def lane_room(self, lane: str) -> int:
+        return self.room()  # NOTE: a FIFO engine has no room of its own for a lane
 
     def placement(self) -> dict[str, Any]:
         return {}

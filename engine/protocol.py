@@ -55,6 +55,26 @@ def engine_stream(model: str, engine_id: str) -> str:
     return f"{model_prefix(model)}:requests-for:{engine_id}"
 
 
+def lane_stream(model: str, lane: str) -> str:
+    """A model's stream for one of the service tiers' lanes (LANES), read by the same group
+    by every engine of the model: the priority lane before anything else and beyond an
+    engine's room, so a priority request never queues behind default ones in Redis; the
+    spare lane (flex, batch lines) with a room of its own, so spare work never takes the
+    room default requests wait in."""
+    return f"{model_prefix(model)}:requests-{lane}"
+
+
+LANE_PRIORITY, LANE_SPARE = "priority", "spare"
+LANES = (LANE_PRIORITY, LANE_SPARE)
+
+
+def lane_of(tier: str) -> str | None:
+    """The lane a request of ``tier`` is queued in; None: placed like any other."""
+    if tier == TIER_PRIORITY:
+        return LANE_PRIORITY
+    return LANE_SPARE if tier in SPARE_TIERS else None
+
+
 def engine_streams_key(model: str) -> str:
     """The set of the model's engine streams (``engine_stream``): where recovery looks for
     what a dead engine left."""

@@ -52,11 +52,12 @@ class Recovery:
         self.claim_min_idle_s = claim_min_idle_s
 
     def streams(self) -> dict[str, str | None]:
-        """Every request stream of the model: the shared one (no owner) and each engine's,
-        by its owner."""
+        """Every request stream of the model: the shared one and the lanes (no owner), and
+        each engine's, by its owner."""
         owners = sorted(protocol.as_text(e) for e in self.client.smembers(self.registry))
-        return {self.shared: None, **{protocol.engine_stream(self.model_name, e): e
-                                 for e in owners}}
+        lanes = {protocol.lane_stream(self.model_name, lane): None for lane in protocol.LANES}
+        return {self.shared: None, **lanes,
+                **{protocol.engine_stream(self.model_name, e): e for e in owners}}
 
     def run(self, *, own: bool = False, skip: Collection[Entry] = ()) -> int:
         """Claims and takes over dead engines' entries; returns how many it claimed.

@@ -2,11 +2,13 @@
 
 Its own stream first (what the web tier placed on it), with the model's shared
 stream beside it (what was placed on no engine, or handed back by one that
-drains). When both are empty and it has room, it takes entries a busy peer has
-not read yet (work stealing): a peer leaves entries unread only while its own
-queue is full, so nothing waits behind a hot replica while another is idle. All
-of a model's streams are read by one consumer group, so an entry goes to exactly
-one engine however many read its stream.
+drains); before both, the model's priority lane, and after them its spare lane
+(the service tiers' lanes, protocol.LANES), each read up to a room of its own.
+When all are empty and it has room, it takes entries a busy peer has not read
+yet (work stealing): a peer leaves entries unread only while its own queue is
+full, so nothing waits behind a hot replica while another is idle. All of a
+model's streams are read by one consumer group, so an entry goes to exactly one
+engine however many read its stream.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class RequestStreams:
         self.model_name = model_name
         self.own = protocol.engine_stream(model_name, engine_id)
         self.shared = protocol.request_stream(model_name)
+        self.lanes = {lane: protocol.lane_stream(model_name, lane) for lane in protocol.LANES}
         self.registry = protocol.engine_streams_key(model_name)
         # The model's other live engines -> (entries queued unread in their streams, when
         # that heartbeat was sent), as last read (``see_peers``).
@@ -42,7 +45,7 @@ class RequestStreams:
         self.stolen = 0  # entries taken from peers' streams
 
     def ensure_groups(self) -> None:
-        for stream in (self.own, self.shared):
+        for stream in (self.own, self.shared, *self.lanes.values()):
             try:
                 self.client.xgroup_create(stream, protocol.ENGINE_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -53,29 +56,34 @@ class RequestStreams:
         """Lists the own stream for recovery (once its group exists and it heartbeats)."""
         self.client.sadd(self.registry, self.engine_id)
 
-    def read(self, room: int, block_ms: int | None, *,
+    def read(self, room: int, block_ms: int | None, *, lanes: dict[str, int] | None = None,
              also: tuple[str, bytes | str, int] | None = None
              ) -> tuple[list[tuple[Entry, Any]], Any]:
-        """Up to about ``room`` new entries: placed here or shared; else stolen from a busy
-        peer; else, ``block_ms`` given, whatever arrives here within it.
+        """Up to about ``room`` new entries placed here or shared, and up to each lane's
+        room of its lane's (``lanes``: lane -> room); when there are none, entries stolen
+        from a busy peer; else, ``block_ms`` given, whatever arrives within it.
 
         ``also`` (stream, last id, count): that stream's newer entries (XREAD's reply), read
         in the same round trip as the first read: the second of what every step reads."""
-        streams = {self.own: ">", self.shared: ">"}
+        lanes = lanes or {}
+        reads = [({self.lanes[protocol.LANE_PRIORITY]: ">"},
+                  lanes.get(protocol.LANE_PRIORITY, 0)),
+                 ({self.own: ">", self.shared: ">"}, room),
+                 ({self.lanes[protocol.LANE_SPARE]: ">"}, lanes.get(protocol.LANE_SPARE, 0))]
+        reads = [(streams, count) for streams, count in reads if count > 0]
         with self.client.pipeline(transaction=False) as pipe:
-            if room > 0:
-                pipe.xreadgroup(protocol.ENGINE_GROUP, self.engine_id, streams, count=room)
+            for streams, count in reads:
+                pipe.xreadgroup(protocol.ENGINE_GROUP, self.engine_id, streams, count=count)
             if also is not None:
                 pipe.xread({also[0]: also[1]}, count=also[2])
-            replies = pipe.execute() if room > 0 or also is not None else []
+            replies = pipe.execute() if reads or also is not None else []
         other = replies[-1] if also is not None else None
-        if room <= 0:
-            return [], other
-        entries = self._entries(replies[0])
-        if not entries:
+        entries = [e for reply in replies[:len(reads)] for e in self._entries(reply)]
+        if not entries and room > 0:
             entries = self.steal(room)
-        if not entries and block_ms:
-            entries = self._read(streams, room, block_ms)
+        if not entries and block_ms and reads:
+            every = {stream: ">" for streams, _ in reads for stream in streams}
+            entries = self._read(every, max(count for _, count in reads), block_ms)
         return entries, other
 
     def steal(self, room: int) -> list[tuple[Entry, Any]]:

@@ -266,8 +266,9 @@ class Worker:
             self.streams.see_peers()
 
     def placement(self) -> dict[str, Any]:
-        """What the web tier places by; ``stream``: this engine reads its own stream."""
-        return {"stream": True, **self.engine.placement()}
+        """What the web tier places by; ``stream``: this engine reads its own stream;
+        ``lanes``: it reads the service tiers' lanes."""
+        return {"stream": True, "lanes": True, **self.engine.placement()}
 
     def engine_stats(self, queued: int) -> dict[str, Any]:
         """The engine's metrics snapshot, with what its streams add (Prometheus exports it)."""
@@ -287,7 +288,9 @@ class Worker:
         while generating; and the requests cancelled since, in the same round trip."""
         block = None if self.engine.has_unfinished() else self.config.idle_block_ms
         room = 0 if self.draining else self.engine.room()
-        taken, cancels = self.streams.read(room, block,
+        lanes = {lane: 0 if self.draining else self.engine.lane_room(lane)
+                 for lane in protocol.LANES}
+        taken, cancels = self.streams.read(room, block, lanes=lanes,
                                            also=(self.cancels, self._cancels_id, CANCELS_READ))
         if block is not None:
             self.clock.start()  # NOTE: an idle engine's wait for work is no step's phase

@@ -75,6 +75,12 @@ class Router:
 
     def place(self, request: protocol.EngineRequest, beats: list[protocol.EngineHeartbeat],
               *, policy: str = "scored", session: str | None = None) -> Placement:
+        lane = protocol.lane_of(request.service_tier)
+        # NOTE: only once every engine of the model reads the lanes (an earlier version
+        # does not): a priority or spare request goes to its lane, which every engine reads.
+        if lane is not None and beats and all(b.placement.get("lanes") is True for b in beats):
+            ROUTING_PLACEMENTS.labels(policy, "lane").inc()
+            return Placement(protocol.lane_stream(request.model, lane), None)
         # NOTE: an engine of an earlier version reads only the model's shared stream.
         beats = [b for b in beats if b.placement.get("stream") is True]
         if policy == "shared" or not beats:

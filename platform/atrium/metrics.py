@@ -77,6 +77,7 @@ class FleetCollector:
             engines = sorted(protocol.as_text(e)
                              for e in client.smembers(protocol.engine_streams_key(name)))
             streams += [protocol.request_stream(name),
+                        *(protocol.lane_stream(name, lane) for lane in protocol.LANES),
                         *(protocol.engine_stream(name, e) for e in engines)]
         usage = protocol.usage_streams(client)
         for stream in [*streams, *usage]:

@@ -229,3 +229,25 @@ def test_the_request_protocol_names_tiers_and_refuses_what_it_does_not_know():
                                  sampling=protocol.SamplingSpec(max_tokens=4), tenant_id="t",
                                  priority=protocol.BATCH_PRIORITY)
     assert protocol.tier_of(old) == BATCH
+
+
+def test_each_lane_waits_in_the_engine_with_a_room_of_its_own(tiny_model_dir):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=64, max_waiting=2))
+
+    def add(rid: str, tier: str) -> None:
+        engine.add_request(protocol.EngineRequest(
+            request_id=rid, model="tiny", prompt_token_ids=[1, 2, 3], tenant_id="t",
+            sampling=protocol.SamplingSpec(max_tokens=2), service_tier=tier))
+
+    rooms = lambda: (engine.room(), engine.lane_room(protocol.LANE_PRIORITY),  # noqa: E731
+                     engine.lane_room(protocol.LANE_SPARE))
+    assert rooms() == (2, 2, 2)
+    add("f1", FLEX)
+    add("b1", BATCH)
+    assert rooms() == (2, 2, 0)  # spare work takes none of the default tier's room
+    add("p1", PRIORITY)
+    add("d1", DEFAULT)
+    assert rooms() == (1, 1, 0)

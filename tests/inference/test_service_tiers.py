@@ -71,15 +71,17 @@ def test_a_tier_the_plan_lacks_is_refused_naming_the_parameter(api_server, serve
 def test_the_engine_is_told_the_tier_weight_price_class_and_flex_wait(
         api_server, served_model, redis_client):
     key = _key_on_plan(service_tiers=["default", "flex", "priority"], fair_weight=3.0)
-    # A heartbeat with no engine behind it: requests are queued and stay there.
+    # A heartbeat with no engine behind it, of an engine that reads the tiers' lanes:
+    # requests are queued in their lanes and stay there.
     beat = protocol.EngineHeartbeat(engine_id="ghost", model=served_model,
-                                    started_at=time.time(), sent_at=time.time() + 30)
+                                    started_at=time.time(), sent_at=time.time() + 30,
+                                    placement={"stream": True, "lanes": True})
     redis_client.zadd(protocol.ENGINES_ZSET, {"ghost": beat.sent_at})
     redis_client.set(protocol.engine_key("ghost"), beat.encode())
-    stream = protocol.request_stream(served_model)
 
     def queued(tier: str, timeout: float) -> tuple[protocol.EngineRequest, float]:
-        """The engine request a call of ``tier`` queued, and when it was sent."""
+        """The engine request a call of ``tier`` queued in its lane, and when it was sent."""
+        stream = protocol.lane_stream(served_model, protocol.lane_of(tier))
         before = redis_client.xlen(stream)
         sent = time.time()
 
@@ -159,3 +161,54 @@ def test_flex_waiting_past_its_clients_timeout_gets_a_429_that_costs_nothing(
 def one_seat_engine_running(redis_client) -> bool:
     raw = redis_client.get(protocol.engine_key("one-seat"))
     return raw is not None and protocol.EngineHeartbeat.decode(raw).running >= 1
+
+
+@pytest.fixture
+def full_engine(served_model, tiny_model_path, redis_client):
+    """A real engine with one seat and room for one waiting request, slowed down: what
+    arrives past those waits in Redis."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    def factory(model_dir):
+        return SlowEngine(LLMEngine(EngineConfig(model_dir=model_dir, num_kv_blocks=512,
+                                                 max_num_seqs=1, max_waiting=1)), 0.02)
+
+    running = start_engine(tiny_model_path, served_model, "full", engine_factory=factory)
+    yield running
+    running.stop.set()
+    running.thread.join(timeout=30)
+
+
+def test_a_priority_request_overtakes_default_ones_queued_in_redis(api_server, served_model,
+                                                                   full_engine, redis_client):
+    key = _key_on_plan(service_tiers=["default", "priority"])
+    finished: list[str] = []
+
+    def call(name: str, tier: str, max_tokens: int) -> threading.Thread:
+        def run() -> None:
+            _client(api_server, key).chat.completions.create(
+                model=served_model, messages=MESSAGES, max_tokens=max_tokens, service_tier=tier)
+            finished.append(name)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    threads = [call("running", "default", 60)]
+    wait_for(lambda: _heartbeat(redis_client, "full").running >= 1, timeout=20)
+    threads += [call(f"queued-{i}", "default", 10) for i in range(3)]
+    # One waits in the engine, two in Redis behind it.
+    wait_for(lambda: _heartbeat(redis_client, "full").queued + redis_client.xlen(
+        protocol.request_stream(served_model)) >= 2, timeout=20)
+    threads.append(call("priority", "priority", 10))
+    for thread in threads:
+        thread.join(timeout=120)
+    assert finished.index("priority") < min(finished.index(f"queued-{i}") for i in range(3)), \
+        finished
+
+
+def _heartbeat(redis_client, engine_id: str) -> protocol.EngineHeartbeat:
+    raw = redis_client.get(protocol.engine_key(engine_id))
+    assert raw is not None
+    return protocol.EngineHeartbeat.decode(raw)
