@@ -424,15 +424,19 @@ def test_keda_scales_the_engine_pool_on_the_backlog_no_engine_has_a_seat_for():
     scaled = named("prod", "ScaledObject", "atrium-engine")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert named("prod", "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
-    [trigger] = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
+    # And the priority lane's lag: priority requests no engine has read (docs/tiers.md).
+    shared, priority = scaled["spec"]["triggers"]
     model = config("prod")["ATRIUM_MODEL_NAME"]
-    assert trigger["metadata"]["stream"] == protocol.request_stream(model)
-    assert trigger["metadata"]["consumerGroup"] == protocol.ENGINE_GROUP
-    assert int(trigger["metadata"]["lagCount"]) > 0
-    auth = named("prod", "TriggerAuthentication", trigger["authenticationRef"]["name"])
-    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} <= {
-        "address", "host", "port", "username", "password"}
+    assert shared["metadata"]["stream"] == protocol.request_stream(model)
+    assert priority["metadata"]["stream"] == \
+        protocol.lane_stream(model, protocol.LANE_PRIORITY)
+    for trigger in (shared, priority):
+        assert trigger["type"] == "redis-streams"
+        assert trigger["metadata"]["consumerGroup"] == protocol.ENGINE_GROUP
+        assert int(trigger["metadata"]["lagCount"]) > 0
+        auth = named("prod", "TriggerAuthentication", trigger["authenticationRef"]["name"])
+        assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} <= {
+            "address", "host", "port", "username", "password"}
     engine = named("prod", "Deployment", "atrium-engine")
     assert engine["metadata"]["labels"]["atrium.dev/model"] == model
     assert not of_kind("dev", "ScaledObject")  # development clusters may lack KEDA
