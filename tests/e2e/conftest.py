@@ -178,6 +178,30 @@ class Atrium:
         return OpenAI(base_url=f"{self.base}/v1", api_key=key or self.key, max_retries=0)
 
 
+def operator_console(atrium: Atrium) -> httpx.Client:
+    """A console session of a new operator, signed in through the login form."""
+    email, password = f"ops-{atrium.setup}-{time.monotonic_ns()}@example.com", "ops pass phrase"
+    made = atrium.cli("create-user", email, "--operator", "--password-stdin",
+                      input=f"{password}\n")
+    assert made.returncode == 0, made.stderr
+    console = httpx.Client(base_url=atrium.base, timeout=30)
+    form = console.get("/console/login")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
+    signed_in = console.post("/console/login", data={
+        "username": email, "password": password, "csrfmiddlewaretoken": token})
+    assert signed_in.status_code == 302, signed_in.text[-2000:]
+    return console
+
+
+def console_post(console: httpx.Client, path: str, data: dict,
+                 page: str | None = None) -> httpx.Response:
+    """Submits a console form as a browser would: with the CSRF token of the page it is on
+    (``page``; default: ``path`` itself)."""
+    form = console.get(page or path)
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
+    return console.post(path, data={**data, "csrfmiddlewaretoken": token})
+
+
 def _services_env(home: Path) -> tuple[dict[str, str], callable]:
     """A new PostgreSQL database and a flushed Redis database on the test session's servers."""
     database_url = os.environ.get("DATABASE_URL", "")

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, Atrium, wait_for
+from tests.e2e.conftest import ROOT, Atrium, operator_console, wait_for
 from tests.e2e.test_metrics import _endpoints
 
 OBSERVABILITY = ROOT / "deploy" / "observability"
@@ -131,21 +131,6 @@ def _result(base: str, query: str) -> list:
     return reply.json()["data"]["result"] if reply.status_code == 200 else []
 
 
-def _operator_console(atrium: Atrium) -> httpx.Client:
-    """A console session of a new operator, signed in through the login form."""
-    email, password = f"ops-{atrium.setup}-{time.monotonic_ns()}@example.com", "ops pass phrase"
-    made = atrium.cli("create-user", email, "--operator", "--password-stdin",
-                      input=f"{password}\n")
-    assert made.returncode == 0, made.stderr
-    console = httpx.Client(base_url=atrium.base, timeout=30)
-    form = console.get("/console/login")
-    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
-    signed_in = console.post("/console/login", data={
-        "username": email, "password": password, "csrfmiddlewaretoken": token})
-    assert signed_in.status_code == 302, signed_in.text[-2000:]
-    return console
-
-
 def _cell(html: str, row: str, field: str) -> str:
     found = re.search(rf'<tr data-(?:model|objective)="{re.escape(row)}">.*?'
                       rf'data-field="{field}">(.*?)</td>', html, re.S)
@@ -158,7 +143,7 @@ def test_the_consoles_service_health_reads_the_same_prometheus(atrium: Atrium, p
                           "sum(rate(vllm:generation_tokens_total[5m])) > 0",
                           "sum(rate(vllm:inter_token_latency_seconds_count[5m])) > 0",
                           "sum(rate(atrium_inference_requests_total[30d])) > 0"):
-        console = _operator_console(atrium)
+        console = operator_console(atrium)
         page = console.get("/console/operator/health")
         console.close()
     assert page.status_code == 200
