@@ -121,6 +121,9 @@ _.plot_left
 _.x_labels
 _.ttft_p95_s
 _.itl_p95_s
+_.ttft_p99_s  # the health page's tiers (webui/health.py TierHealth)
+_.queue_p99_s
+_.objective
 _.input_price
 _.output_price
 _.billed_per_million

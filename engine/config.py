@@ -28,6 +28,8 @@ class EngineConfig:
     max_waiting: int = 32
     # Seats (of max_num_seqs) only the priority tier may take (engine/tiers.py).
     priority_reserve_seats: int = 0
+    # What tenants are made even in: "tokens" of service, or "requests" (engine/fair_share.py).
+    fair_share: str = "tokens"
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
@@ -63,8 +65,7 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be > 0 and gpu_memory_utilization in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
-        if not 0 <= self.priority_reserve_seats < self.max_num_seqs:
-            raise ValueError("priority_reserve_seats must be >= 0 and below max_num_seqs")
+        self._check_scheduling()
         if self.adapter_store is not None:
             self.adapter_store = Path(self.adapter_store)
         if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512 or self.max_cpu_loras < 1:
@@ -79,6 +80,14 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must cover "
                              "max_model_len")
+
+
+    def _check_scheduling(self) -> None:
+        """Tiers and fairness (engine/tiers.py, engine/fair_share.py)."""
+        if self.fair_share not in ("tokens", "requests"):
+            raise ValueError(f"fair_share must be tokens or requests, got {self.fair_share!r}")
+        if not 0 <= self.priority_reserve_seats < self.max_num_seqs:
+            raise ValueError("priority_reserve_seats must be >= 0 and below max_num_seqs")
 
 
 def eos_token_ids(model_dir: Path) -> frozenset[int]:

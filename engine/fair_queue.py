@@ -46,12 +46,14 @@ class FairQueue:
 
     def push(self, seq: Sequence) -> None:
         """A new arrival: at the back of its tenant's queue."""
+        self.counters.queued(seq.tenant_id)
         tenants = self._classes.setdefault(seq.rank, OrderedDict())
         tenants.setdefault(seq.tenant_id, deque()).append(seq)
         self._len += 1
 
     def push_front(self, seq: Sequence) -> None:
         """A preempted sequence: first of its tenant's, and first among tenants served alike."""
+        self.counters.queued(seq.tenant_id)
         tenants = self._classes.setdefault(seq.rank, OrderedDict())
         tenants.setdefault(seq.tenant_id, deque()).appendleft(seq)
         tenants.move_to_end(seq.tenant_id, last=False)
@@ -100,6 +102,7 @@ class FairQueue:
         if queue is None or seq not in queue:
             return False
         queue.remove(seq)
+        self.counters.dequeued(seq.tenant_id)
         if not queue:
             del tenants[seq.tenant_id]
             if not tenants:

@@ -105,7 +105,7 @@ class LLMEngine:
             slots=slots, speculative_tokens=config.num_speculative_tokens
             if config.speculative != "off" else 0,
             speculative_max_batch=config.speculative_max_batch,
-            reserve_seats=config.priority_reserve_seats)
+            reserve_seats=config.priority_reserve_seats, fair_share=config.fair_share)
         self.governor = SpeculationGovernor() if config.speculative != "off" else None
         self.drafter: DraftModel | None = None
         if config.speculative.startswith("draft:"):

@@ -37,6 +37,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority-reserve-seats", type=int,
                         default=int(env("ATRIUM_PRIORITY_RESERVE_SEATS", "0")),
                         help="seats of --max-num-seqs only service_tier=priority requests take")
+    parser.add_argument("--fair-share", choices=("tokens", "requests"),
+                        default=env("ATRIUM_FAIR_SHARE", "tokens"),
+                        help="what tenants are made even in under load: tokens of service "
+                             "(token-fair), or requests (tenants take turns by request)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(env("ATRIUM_MAX_NUM_BATCHED_TOKENS", "512")))
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -113,6 +117,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
             kv_cache_bytes=args.kv_cache_mib * 2**20,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting, priority_reserve_seats=args.priority_reserve_seats,
+            fair_share=args.fair_share,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             adapter_store=Path(args.adapter_store) if args.adapter_store else None,

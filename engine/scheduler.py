@@ -44,7 +44,8 @@ class Scheduler:
                  enable_chunked_prefill: bool = True,
                  metrics: EngineMetrics | None = None,
                  slots: AdapterSlots | None = None, speculative_tokens: int = 0,
-                 speculative_max_batch: int = 4, reserve_seats: int = 0) -> None:
+                 speculative_max_batch: int = 4, reserve_seats: int = 0,
+                 fair_share: str = "tokens") -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,7 +62,7 @@ class Scheduler:
         self.drafted: dict[str, list[int]] | None = None
         self.speculation_paused = False  # set per step by the engine's SpeculationGovernor
         self.reserve_seats = reserve_seats  # seats only the priority tier may take
-        self.counters = ServiceCounters()  # each tenant's service here (token-fair)
+        self.counters = ServiceCounters(fair_share)  # each tenant's service here
         self.waiting = FairQueue(self.counters)
         self.spare_sits_out = False  # this step: a default or priority sequence is starting
         self.spare_tokens_left = 0  # this step: what spare-tier work may still take
@@ -141,19 +142,34 @@ class Scheduler:
     def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]],
                           budget: int) -> tuple[int, bool]:
         """Running sequences first, preempting the lowest priority when the KV pool is
-        full; returns the token budget left and whether anything was preempted."""
+        full; returns the token budget left and whether anything was preempted.
+
+        Decodes first, in arrival order, spare ones last; then prompt chunks, the most
+        deserving first (tier, then the tenant least served). A chunk leaves the budget to
+        the prompts of the waiting sequences more deserving than it that would start next:
+        a tenant's long prompts already running do not keep less-served tenants' new
+        requests out."""
         preempted = False
-        # NOTE: a stable sort: decodes (one token to run) first, each group in arrival order.
-        queue = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
+        key = self._deserving
+        queue = sorted((s for s in self.running if s.num_uncomputed <= 1),
+                       key=tiers.is_spare) + sorted(
+            (s for s in self.running if s.num_uncomputed > 1), key=key)
+        ahead = tiers.next_to_start(self.waiting, self.running, self.kv, self.max_num_seqs,
+                                    self.reserve_seats, budget,
+                                    chunked=self.enable_chunked_prefill,
+                                    spare_sits_out=self.spare_sits_out)
         speculate = self.speculative_tokens > 0 and not self.speculation_paused and sum(
             s.num_uncomputed == 1 for s in queue) <= self.speculative_max_batch
         for seq in queue:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or (
-                    self.spare_sits_out and tiers.is_spare(seq)):
+                    self.spare_sits_out and tiers.sits_out(seq)):
                 continue  # preempted earlier in this loop, or spare work sitting out
             n = min(seq.num_uncomputed, budget, self._spare_cap(seq))
+            if seq.num_uncomputed > 1 and ahead:
+                owed = sum(min(s.num_tokens, budget) for s in ahead if key(s) < key(seq))
+                n = min(n, budget - min(owed, budget))
             if n == 0 or (n < seq.num_uncomputed and not self.enable_chunked_prefill):
                 continue
             seq.draft = self._draft(seq, budget - 1) \
@@ -177,6 +193,10 @@ class Scheduler:
                 budget -= n
                 self._took(seq, n)
         return budget, preempted
+
+    def _deserving(self, seq: Sequence) -> tuple[tuple[int, int], float]:
+        """Lower goes first: its class (tier, plan priority), then its tenant's service."""
+        return seq.rank, self.counters[seq.tenant_id]
 
     def _spare_cap(self, seq: Sequence) -> int:
         """The most tokens ``seq`` may run this step: spare-tier work takes a short share."""
@@ -327,7 +347,7 @@ class Scheduler:
         text = seq.detokenizer.add_token(token) if seq.detokenizer and not stop_token else ""
         hidden = stop_token or (token in self.eos_token_ids and not seq.params.ignore_eos)
         logprobs = None if hidden else token_logprobs
-        reason = self._stop_reason(seq, token)
+        reason = seq.finish_reason_after(token, self.eos_token_ids, self.max_model_len)
         if reason is None:
             return RequestOutput(seq.reported_id, text_delta=text, token_ids=[token],
                                  logprobs=None if logprobs is None else [logprobs],
@@ -421,19 +441,6 @@ class Scheduler:
         if seq.adapter_slot >= 0:
             self.slots.release(seq.adapter_hash)
             seq.adapter_slot = -1
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
-            return protocol.FINISH_STOP
-        if token in seq.params.stop_token_ids:
-            return protocol.FINISH_STOP
-        if seq.grammar is not None and seq.grammar.is_terminated:
-            return protocol.FINISH_STOP
-        if seq.detokenizer is not None and seq.detokenizer.stopped:
-            return protocol.FINISH_STOP
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return protocol.FINISH_LENGTH
-        return None
 
     def _finish(self, seq: Sequence, reason: str | None, *, text: str = "",
                 token_ids: list[int] | None = None, error: str | None = None) -> RequestOutput:

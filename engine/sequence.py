@@ -140,3 +140,15 @@ class Sequence:
             return self.detokenizer.stop_string
         last = self.token_ids[-1] if self.num_output_tokens else None
         return last if last is not None and last in self.params.stop_token_ids else None
+
+    def finish_reason_after(self, token: int, eos_token_ids: frozenset[int],
+                            max_model_len: int) -> str | None:
+        """Why ``token``, just appended, ends it (protocol.FINISH_*); None: it goes on."""
+        params = self.params
+        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids \
+                or (self.grammar is not None and self.grammar.is_terminated) \
+                or (self.detokenizer is not None and self.detokenizer.stopped):
+            return protocol.FINISH_STOP
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return protocol.FINISH_LENGTH
+        return None

@@ -7,10 +7,11 @@
 - The spare tiers, "flex" then "batch" (protocol.SPARE_TIERS), run on spare capacity only:
   a default or priority sequence waiting for a seat or blocks takes them from the latest
   spare one, which waits and later runs again from its prefix cache; while such a sequence
-  is starting (waiting, or not yet past its first token), spare sequences sit the step out
-  (`interactive_starting`), so its prefill step is as short as it would be without them;
-  and spare work takes at most SPARE_STEP_TOKENS of a step, so a step with spare work in it
-  is short, and a request arriving meanwhile waits little for it to end.
+  is starting (waiting, or not yet past its first token), batch sequences and flex prompts
+  sit the step out (`interactive_starting`, `sits_out`), so its prefill step is about as
+  short as it would be without them (flex decodes go on); and spare work takes at most
+  SPARE_STEP_TOKENS of a step, so a step with spare work in it is short, and a request
+  arriving meanwhile waits little for it to end.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def is_spare(seq: Sequence) -> bool:
     return seq.tier in protocol.SPARE_TIERS
 
 
+def sits_out(seq: Sequence) -> bool:
+    """Whether running ``seq`` sits out a step in which a default or priority sequence
+    starts: batch work does, and a flex prompt; a flex request's decode goes on (within
+    SPARE_STEP_TOKENS), so flex keeps making tokens where default requests start often."""
+    return seq.tier == protocol.TIER_BATCH or (is_spare(seq) and seq.num_uncomputed > 1)
+
+
 def interactive_starting(waiting: FairQueue, running: list[Sequence]) -> bool:
     best = waiting.best_rank()
     if best is not None and best[0] < _FIRST_SPARE_RANK:
@@ -45,6 +53,28 @@ def seat_limit(seq: Sequence, max_num_seqs: int, reserve_seats: int) -> int:
 def may_start(seq: Sequence, seats: int, max_num_seqs: int, reserve_seats: int) -> bool:
     """Whether ``seq`` may start beside running sequences that hold ``seats``."""
     return seats + parallel.seats(seq) <= seat_limit(seq, max_num_seqs, reserve_seats)
+
+
+def next_to_start(waiting: FairQueue, running: list[Sequence], kv: KVCacheManager,
+                  max_num_seqs: int, reserve_seats: int, budget: int, *, chunked: bool,
+                  spare_sits_out: bool) -> list[Sequence]:
+    """The waiting sequences that would start this step if running prompt chunks left them
+    the budget, in the queue's order: while they have seats, KV blocks free for their
+    prompts and ``budget`` for them (whole prompts, without chunked prefill); an adapter's
+    sequence, or spare work sitting the step out, ends the walk."""
+    seats = sum(parallel.seats(s) for s in running)
+    out, tokens, blocks = [], 0, 0
+    for seq in waiting.candidates():
+        need = seq.num_tokens if not chunked else min(seq.num_tokens, budget - tokens)
+        blocks += kv.blocks_needed(seq.num_tokens)
+        if need <= 0 or tokens + need > budget or blocks > kv.num_free_blocks \
+                or not may_start(seq, seats, max_num_seqs, reserve_seats) \
+                or seq.adapter_hash is not None or (spare_sits_out and is_spare(seq)):
+            break
+        out.append(seq)
+        seats += parallel.seats(seq)
+        tokens += need
+    return out
 
 
 def seat_to_yield(waiting: FairQueue, running: list[Sequence], kv: KVCacheManager,

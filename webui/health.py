@@ -15,7 +15,7 @@ import bisect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -24,6 +24,7 @@ from django.conf import settings
 
 from billing import selectors as billing
 from core import metrics as web_metrics
+from engine import protocol
 from webui.selectors import engine_heartbeats
 
 # The objectives of deploy/observability/prometheus/atrium-rules.yml (a test keeps them equal).
@@ -36,6 +37,9 @@ QUANTILE = 0.95
 
 _ERRORS = 'atrium_inference_requests_total{status=~"5.."}'
 _TTFT = "vllm:time_to_first_token_seconds"
+_TIER_TTFT = "atrium_engine_tier_time_to_first_token_seconds"
+_TIER_QUEUE = "atrium_engine_tier_queue_time_seconds"
+TIER_QUANTILE = 0.99
 
 
 class PrometheusUnavailable(Exception):
@@ -84,6 +88,22 @@ class ModelHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class TierHealth:
+    """One service tier (docs/tiers.md): its latency and its share of the TTFT objective."""
+
+    tier: str
+    ttft_p99_s: float | None
+    queue_p99_s: float | None
+    ttft_good: float | None  # the share of first tokens within TTFT_THRESHOLD_S
+    preemptions: float  # its requests preempted, over the latency window
+
+    @property
+    def objective(self) -> Objective:
+        return Objective(name=self.tier, promise=f"first token within {TTFT_THRESHOLD_S:g} s",
+                         target=TTFT_TARGET, good=self.ttft_good)
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceHealth:
     source: str  # "prometheus" or "processes"
     latency_window: str
@@ -92,6 +112,7 @@ class ServiceHealth:
     models: list[ModelHealth]
     firing: list[str]  # Atrium alerts firing now (Prometheus only)
     problem: str = ""  # why Prometheus was not used, when it was configured
+    tiers: list[TierHealth] = field(default_factory=list)
 
 
 def service_health() -> ServiceHealth:
@@ -173,7 +194,31 @@ def from_prometheus(prom: Prometheus) -> ServiceHealth:
         'ALERTS{alertstate="firing", alertname=~"Atrium.*"}')})
     return ServiceHealth(source="prometheus", latency_window="the last 5 minutes",
                          slo_window="the last 30 days", objectives=objectives, models=models,
-                         firing=firing)
+                         firing=firing, tiers=_tiers_from(prom))
+
+
+def _tiers_from(prom: Prometheus) -> list[TierHealth]:
+    def by_tier(expr: str) -> dict[str, float]:
+        return {labels.get("service_tier", ""): value for labels, value in prom.query(expr)}
+
+    def p99(family: str) -> dict[str, float]:
+        return by_tier(f"histogram_quantile({TIER_QUANTILE}, sum by (service_tier, le) "
+                       f"(rate({family}_bucket[{RATE_WINDOW}])))")
+
+    ttft, queue = p99(_TIER_TTFT), p99(_TIER_QUEUE)
+    good = by_tier(f'sum by (service_tier) (rate({_TIER_TTFT}_bucket{{le="{TTFT_THRESHOLD_S}"}}'
+                   f"[{SLO_WINDOW}])) / sum by (service_tier) (rate({_TIER_TTFT}_count"
+                   f"[{SLO_WINDOW}]))")
+    preempted = by_tier("sum by (service_tier) "
+                        f"(increase(atrium_engine_tier_preemptions_total[{RATE_WINDOW}]))")
+    return [TierHealth(tier=t, ttft_p99_s=ttft.get(t), queue_p99_s=queue.get(t),
+                       ttft_good=good.get(t), preemptions=preempted.get(t, 0.0))
+            for t in _tier_order(set(ttft) | set(queue) | set(preempted))]
+
+
+def _tier_order(tiers: set[str]) -> list[str]:
+    return sorted(tiers, key=lambda t: (protocol.TIERS.index(t) if t in protocol.TIERS
+                                        else len(protocol.TIERS), t))
 
 
 def _objective_from(prom: Prometheus, name: str, promise: str, target: float, bad_ratio
@@ -210,7 +255,26 @@ def from_processes(*, problem: str = "") -> ServiceHealth:
                   good=share_within(merge_histograms(ttfts), TTFT_THRESHOLD_S))]
     return ServiceHealth(source="processes", latency_window="since each engine started",
                          slo_window="since the processes started", objectives=objectives,
-                         models=models, firing=[], problem=problem)
+                         models=models, firing=[], problem=problem,
+                         tiers=_tiers_of([s for snaps in by_model.values() for s in snaps]))
+
+
+def _tiers_of(snapshots: list[dict[str, Any]]) -> list[TierHealth]:
+    """Each tier's figures summed over the engines' heartbeats."""
+    by_tier: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for snapshot in snapshots:
+        for tier, figures in (snapshot.get("tiers") or {}).items():
+            by_tier[tier].append(figures)
+    out = []
+    for tier in _tier_order(set(by_tier)):
+        ttft = merge_histograms(f.get("ttft") for f in by_tier[tier])
+        queue = merge_histograms(f.get("queue") for f in by_tier[tier])
+        out.append(TierHealth(tier=tier, ttft_p99_s=quantile(ttft, TIER_QUANTILE),
+                              queue_p99_s=quantile(queue, TIER_QUANTILE),
+                              ttft_good=share_within(ttft, TTFT_THRESHOLD_S),
+                              preemptions=float(sum(f.get("preemptions", 0)
+                                                    for f in by_tier[tier]))))
+    return out
 
 
 def _web_good_ratio() -> float | None:

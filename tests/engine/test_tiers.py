@@ -170,7 +170,10 @@ def test_flex_runs_before_batch_and_never_delays_a_default_first_token_past_one_
         step(sched)
     interactive = seq(12, tenant="b", max_tokens=3)
     sched.add(interactive)
-    assert step(sched) == [interactive.request_id]  # its prefill runs alone
+    ran = step(sched)
+    # Its prefill runs beside the flex decodes only: batch work and flex prompts sit out.
+    assert interactive.request_id in ran and set(ran) <= {interactive.request_id,
+                                                          *(s.request_id for s in flex)}
     assert interactive.first_token_at is not None  # the one step after it came
 
 
@@ -251,3 +254,26 @@ def test_each_lane_waits_in_the_engine_with_a_room_of_its_own(tiny_model_dir):
     add("p1", PRIORITY)
     add("d1", DEFAULT)
     assert rooms() == (1, 1, 0)
+
+
+def test_request_fair_share_takes_tenants_in_turn_by_request_whatever_their_length():
+    sched = Scheduler(scheduler().kv, max_num_seqs=4, max_num_batched_tokens=48,
+                      max_model_len=1024, fair_share="requests")
+    make = {"long": lambda: seq(160, tenant="long", max_tokens=4),
+            "short": lambda: seq(16, tenant="short", max_tokens=4)}
+    served_while_backlogged(sched, make, steps=400)
+    tokens = {t: sum(n for (tenant, _), n in sched.metrics.served.items() if tenant == t)
+              for t in make}
+    assert tokens["long"] > 3 * tokens["short"]  # by request, long prompts take more
+
+
+def test_a_long_prompt_already_running_leaves_the_step_to_a_less_served_tenants_request():
+    sched = scheduler(max_num_seqs=8, budget=64, num_blocks=256)
+    hog = seq(400, tenant="hog", max_tokens=4)
+    sched.add(hog)
+    step(sched)  # its first chunk: 64 of 400 prompt tokens, all charged at admission
+    quiet = seq(8, tenant="quiet", max_tokens=4)
+    sched.add(quiet)
+    batch = sched.schedule()
+    tokens = {r.request_id: len(r.token_ids) for r in batch.requests}
+    assert tokens == {quiet.request_id: 8, hog.request_id: 56}  # the hog's chunk is cut

@@ -169,3 +169,41 @@ def test_the_page_and_the_alert_rules_hold_the_same_objectives():
     assert f"(14.4 * {budget})" in exprs["AtriumAvailabilityBudgetBurnFast"]
     assert f"(14.4 * {1 - health.TTFT_TARGET:.3g})" in exprs["AtriumTTFTBudgetBurnFast"]
     assert f'le="{health.TTFT_THRESHOLD_S}"' in exprs["atrium:ttft_slow:ratio_rate1h"]
+
+
+def test_the_page_shows_each_service_tiers_latency_and_objective(world, redis_client, settings,
+                                                                  monkeypatch):
+    from engine.metrics import REQUEST_BUCKETS_S
+
+    settings.ATRIUM_PROMETHEUS_URL = ""
+    _web_requests(monkeypatch, ok=10, failed=0)
+    now = time.time()
+    # Two engines; priority: 200 first tokens, all within 0.1 s; default: 100, 10 past 2.5 s.
+    for engine_id, priority, default in (("engine-a", 150, 60), ("engine-b", 50, 40)):
+        slow = 10 if engine_id == "engine-a" else 0
+        tiers = {
+            "priority": {"ttft": _hist(TTFT_BUCKETS_S, {0.1: priority}),
+                         "queue": _hist(REQUEST_BUCKETS_S, {0.05: priority}), "preemptions": 0},
+            "default": {"ttft": _hist(TTFT_BUCKETS_S, {0.5: default - slow, 5.0: slow}),
+                        "queue": _hist(REQUEST_BUCKETS_S, {1.0: default}), "preemptions": 3}}
+        beat = protocol.EngineHeartbeat(engine_id=engine_id, model=MODEL, started_at=now - 60,
+                                        sent_at=now, stats={"engine": {"tiers": tiers}})
+        redis_client.zadd(protocol.ENGINES_ZSET, {engine_id: now})
+        redis_client.set(protocol.engine_key(engine_id), beat.encode(), ex=5)
+
+    status, html = _page(world.staff)
+
+    assert status == 200
+    rows = re.findall(r'<tr data-tier="([a-z]+)">', html)
+    assert rows == ["priority", "default"]  # in the order the scheduler serves them
+
+    def cell(tier: str, field: str) -> str:
+        found = re.search(rf'<tr data-tier="{tier}">.*?data-field="{field}">(.*?)</td>', html,
+                          re.S)
+        return re.sub(r"<[^>]+>", "", found.group(1)).strip()
+
+    assert cell("priority", "good") == "100.000%"
+    assert cell("default", "good") == "90.000%"  # 10 of 100 first tokens past 2.5 s
+    assert cell("default", "budget") == "none"
+    assert cell("default", "preemptions") == "6"
+    assert cell("priority", "ttft") == "99.5 ms"  # rank 198 of 200, 0.05 + 0.05 x 198 / 200 s
