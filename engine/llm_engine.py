@@ -265,8 +265,8 @@ class LLMEngine:
         return len(self.scheduler.waiting) + self._num_loading()
 
     def room(self) -> int:
-        """How many more requests the worker may hand over now from the streams requests
-        are placed on: those of a lane waiting here take none of it (``lane_room``)."""
+        """How many more placed requests the worker may hand over now (``lane_room``: a
+        lane's)."""
         held = self.num_waiting() - sum(self._lane_waiting(lane) for lane in protocol.LANES)
         return max(0, self.config.max_waiting - held)
 
@@ -275,8 +275,7 @@ class LLMEngine:
         return max(0, self.config.max_waiting - self._lane_waiting(lane))
 
     def _lane_waiting(self, lane: str) -> int:
-        return self.scheduler.waiting.num_in(
-            frozenset(t for t in protocol.TIERS if protocol.lane_of(t) == lane))
+        return self.scheduler.waiting.num_in(protocol.tiers_of_lane(lane))
 
     def step(self) -> list[RequestOutput]:
         clock = self.metrics.clock

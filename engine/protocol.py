@@ -75,6 +75,10 @@ def lane_of(tier: str) -> str | None:
     return LANE_SPARE if tier in SPARE_TIERS else None
 
 
+def tiers_of_lane(lane: str) -> frozenset[str]:
+    return frozenset(t for t in TIERS if lane_of(t) == lane)
+
+
 def engine_streams_key(model: str) -> str:
     """The set of the model's engine streams (``engine_stream``): where recovery looks for
     what a dead engine left."""
