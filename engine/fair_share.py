@@ -72,6 +72,14 @@ class ServiceCounters:
         if not self._waiting:
             self._idle_level = self[tenant]
 
+    def standing(self, most: int) -> dict[str, int]:
+        """The tenants here most ahead of the least-served waiting one (``most`` of them),
+        each with how far, in weighted tokens: what routing places by (the heartbeat's)."""
+        floor = self._floor()
+        ahead = sorted(((self._counter.get(t, floor) - floor, t) for t in self._active),
+                       reverse=True)
+        return {t: round(excess) for excess, t in ahead[:most] if excess >= 1}
+
     def _floor(self) -> float:
         """Where a tenant joining the queue starts at the least."""
         return min((self._counter[t] for t in self._waiting), default=self._idle_level)

@@ -457,16 +457,16 @@ class LLMEngine:
             "tiers": m.tiers_snapshot(), "served": m.served_snapshot(),
             "adapters_in_slots": sorted(self.scheduler.slots.slot_of)
             if self.scheduler.slots else [],
-            "time": time.time(),
-            **self._adapter_snapshot(),
+            "time": time.time(), **self._adapter_snapshot(),
         }
 
     def placement(self) -> dict[str, Any]:
         """What the web tier places requests by (inference/routing.py): the prefixes cached
-        here, the adapters in host memory, how full the KV cache is, and how many requests
-        it holds at most (running and waiting)."""
+        here, the tenants ahead of their share, the adapters in host memory, how full the
+        KV cache is, and how many requests it holds at most (running and waiting)."""
         summary = PrefixSummary.of(self.kv.pool.cached_keys(), self.config.block_size)
         return {"prefix": summary.to_dict(), "kv_usage": round(self.kv.usage, 4),
+                "fair": self.scheduler.counters.standing(protocol.FAIR_STANDING_MAX),
                 "adapters": self.adapters.resident() if self.adapters is not None else [],
                 "seats": self.config.max_num_seqs + self.config.max_waiting}
 

@@ -221,6 +221,8 @@ TASKS = (TASK_GENERATE, TASK_EMBED)
 # takes lists of inputs; 256 in all).
 MAX_EMBED_INPUTS = 255
 MAX_FAIR_WEIGHT = 1000.0
+# Tenants a heartbeat's placement names in "fair", at most (the most served first).
+FAIR_STANDING_MAX = 64
 
 
 def max_extra_prompts(task: str) -> int:
@@ -408,7 +410,9 @@ class EngineHeartbeat:
     # What requests are placed by (inference/routing.py): {"stream": true (it reads its
     # ``engine_stream``), "prefix": a PrefixSummary as a dict, "adapters": content hashes in
     # host memory, "kv_usage": 0..1, "seats": requests it holds at most, running and
-    # waiting}; without "stream" (an earlier version) requests reach it on the shared stream.
+    # waiting, "lanes": true (it reads the tiers' lanes), "fair": {tenant: how far ahead of
+    # the least-served waiting tenant, in weighted tokens} for the tenants most ahead}; without
+    # "stream" (an earlier version) requests reach it on the shared stream.
     placement: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> str:

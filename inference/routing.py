@@ -28,6 +28,7 @@ model's one stream, which whichever engine reads first takes).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections import OrderedDict
@@ -44,6 +45,10 @@ ADAPTER_COST = 512  # the adapter is not in the engine's memory: a load from the
 KV_FULL_USAGE = 0.95  # past this the engine preempts to admit anything
 KV_FULL_COST = 4096
 SESSION_BONUS = 2048  # the conversation's own engine
+# The tenant is ahead of its share on the engine (its token-fair counter, engine/fair_share.py):
+# its request would wait there behind less-served tenants' work, about half its lead in
+# tokens (an output token counts 2); capped, so a long lead does not outweigh everything.
+FAIR_LEAD_COST_CAP = 4096
 MAX_KEYS = 1024  # prompt blocks looked up at most (a 16k-token prefix at 16 per block)
 SESSION_MAX = 256  # characters of a session hint
 PLACED_KEYS = 8192  # prompt blocks remembered per engine (this process's placements)
@@ -126,6 +131,7 @@ class Router:
                 cost += ADAPTER_COST
             cost += QUEUE_COST * (beat.waiting + beat.queued + self._sent_since(beat))
             cost += RUNNING_COST * beat.running
+            cost += _lead(beat, request.tenant_id) / 2
             if float(beat.placement.get("kv_usage") or 0.0) >= KV_FULL_USAGE:
                 cost += KV_FULL_COST
             reason = "prefix" if cached else "load"
@@ -185,6 +191,15 @@ class Router:
                 break
             count += 1
         return count
+
+
+def _lead(beat: protocol.EngineHeartbeat, tenant: str) -> float:
+    """How far the tenant is ahead of its share on the engine, as its heartbeat says."""
+    fair = beat.placement.get("fair")
+    lead = fair.get(tenant, 0) if isinstance(fair, dict) else 0
+    if not isinstance(lead, int | float) or not math.isfinite(lead):
+        return 0.0
+    return min(max(float(lead), 0.0), FAIR_LEAD_COST_CAP)
 
 
 def _block_size(beat: protocol.EngineHeartbeat) -> int | None:

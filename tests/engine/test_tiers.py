@@ -277,3 +277,14 @@ def test_a_long_prompt_already_running_leaves_the_step_to_a_less_served_tenants_
     batch = sched.schedule()
     tokens = {r.request_id: len(r.token_ids) for r in batch.requests}
     assert tokens == {quiet.request_id: 8, hog.request_id: 56}  # the hog's chunk is cut
+
+
+def test_the_standing_names_the_tenants_ahead_of_the_least_served_waiting_one():
+    counters = ServiceCounters()
+    for tenant in ("hog", "modest"):
+        counters.arrive(tenant)
+        counters.queued(tenant)
+    counters.charge(seq(400, tenant="hog"), 0, 400)
+    counters.charge(seq(100, tenant="modest"), 0, 100)
+    assert counters.standing(64) == {"hog": 300}
+    assert counters.standing(0) == {}

@@ -191,3 +191,26 @@ def test_a_heartbeat_with_fields_this_version_does_not_know_still_decodes():
     beat = _beat("e1")
     raw = beat.encode()[:-1] + ',"from_the_future":1}'
     assert protocol.EngineHeartbeat.decode(raw).engine_id == "e1"
+
+
+def test_a_tenant_ahead_of_its_share_on_an_engine_is_placed_where_it_is_not():
+    # Token-fair counters (engine/fair_share.py): on "busy" this tenant has had 3,000 weighted
+    # tokens more than the least-served tenant waiting there; its request would wait there.
+    request = _request(prompt=[1, 2, 3])
+    ahead, even = _beat("busy"), _beat("even")
+    ahead.placement["fair"] = {"t1": 3000, "t2": 5}
+    even.placement["fair"] = {"t2": 3000}
+    assert {Router().place(request, [ahead, even]).engine_id for _ in range(20)} == {"even"}
+    # Another tenant's lead there is no reason to avoid it.
+    other = _request(tenant="t3", prompt=[1, 2, 3])
+    assert {Router().place(other, [ahead, even]).engine_id for _ in range(50)} == \
+        {"busy", "even"}
+
+
+@pytest.mark.parametrize("standing", [{"t1": "far"}, {"t1": float("nan")}, ["t1"], None])
+def test_a_garbled_fair_standing_counts_as_even(standing):
+    request = _request(prompt=[1, 2, 3])
+    garbled = _beat("garbled")
+    garbled.placement["fair"] = standing
+    placed = {Router().place(request, [garbled, _beat("plain")]).engine_id for _ in range(50)}
+    assert placed == {"garbled", "plain"}
