@@ -105,6 +105,9 @@ def test_a_background_response_is_polled_read_again_and_cancelled(atrium: Atrium
             time.sleep(2)
             later.append((round(time.monotonic() - asked),
                           client.responses.retrieve(long.id).status))
+        said = [line for line in atrium.output.splitlines()
+                if long.id in line or "Traceback" in line or "background response" in line]
         raise AssertionError(f"cancel answered {cancelled.status!r} after "
-                             f"{time.monotonic() - asked:.1f} s; then: {later}")
+                             f"{time.monotonic() - asked:.1f} s; then: {later}; the server "
+                             "said:\n" + "\n".join(said[-40:]))
     assert client.responses.retrieve(long.id).status == "cancelled"
