@@ -56,11 +56,9 @@ def engine_stream(model: str, engine_id: str) -> str:
 
 
 def lane_stream(model: str, lane: str) -> str:
-    """A model's stream for one of the service tiers' lanes (LANES), read by the same group
-    by every engine of the model: the priority lane before anything else and beyond an
-    engine's room, so a priority request never queues behind default ones in Redis; the
-    spare lane (flex, batch lines) with a room of its own, so spare work never takes the
-    room default requests wait in."""
+    """A model's stream for a service tiers' lane (LANES), read by every engine of the model:
+    the priority lane first and beyond an engine's room; the spare lane (flex, batch lines)
+    with a room of its own, so spare work never takes the room default requests wait in."""
     return f"{model_prefix(model)}:requests-{lane}"
 
 
@@ -277,9 +275,7 @@ class EngineRequest:
     priority: int = 0  # the plan's class within its tier; lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
     service_tier: str = TIER_DEFAULT  # one of TIERS
-    # The tenant's weight in token-fair scheduling (its plan's): twice the weight, twice the
-    # tokens of service when tenants compete (engine/fair_share.py).
-    fair_weight: float = 1.0
+    fair_weight: float = 1.0  # the plan's weight in token-fair scheduling (fair_share.py)
     # Unix seconds: a request not yet started by then ends with FINISH_QUEUE_TIMEOUT, having
     # used nothing (flex: the client's timeout).
     queue_deadline: float | None = None
