@@ -59,6 +59,7 @@ class Trace:
         # Each choice's text (and tool calls), by index: the log keeps every choice.
         self.parts: dict[int, list[str]] = {}
         self._submitted = False
+        self._writing: asyncio.Task | None = None  # the log's write, once submitted
 
     # --- what happened ---------------------------------------------------------------------
 
@@ -134,10 +135,23 @@ class Trace:
         except RuntimeError:  # no loop (a synchronous caller): write here
             _record([self])
             return
+        self._writing = task
         _pending.add(task)
         task.add_done_callback(_pending.discard)
         if len(_pending) > _BACKLOG_WARNING:
             log.warning("request log writes are falling behind: %d pending", len(_pending))
+
+    async def logged(self, timeout: float) -> None:
+        """Waits, at most ``timeout`` seconds, for the write ``submit`` scheduled (nothing
+        to wait for before it); never raises but a cancellation."""
+        if self._writing is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._writing), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a log not written in time is the writer's to say
+            pass
 
     def _prompt(self) -> Any:
         """The prompt as the client sent it: a string, chat messages, or token ids. Token

@@ -57,6 +57,7 @@ HEADER = "x-atrium-resumable"
 URL_HEADER = "x-atrium-stream-url"
 TICK_S = 1.0  # leases renewed, presence told, lapsed leases swept: this often
 LEASE_MS = 3_000  # an owner not heard of for this long has lost its request
+LOG_WAIT_S = 10.0  # an ended request's lease is held this long at most for its log
 VIEWER_IDLE_S = 5.0  # a replaying pump nobody follows stops after this
 MAX_FOLLOWERS = 16  # connections following one request at once, in one process
 MAX_GRACE_S = 3600
@@ -250,6 +251,12 @@ class Pump:
             self.done = True
             self.caught_up.set()
             self._notify()
+            if self.owning:
+                # NOTE: its log is written before its lease ends as ended (the lease is
+                # renewed meanwhile): a process killed in between leaves the request to
+                # another, which ends it again (a log is written once whatever is retried),
+                # not a request that ended with its log lost.
+                await self.run.trace.logged(LOG_WAIT_S)
             if _pumps.get(self.request_id) is self:
                 del _pumps[self.request_id]
             if self.owning:
@@ -384,7 +391,8 @@ async def tick() -> None:
     pumps = [p for p in list(_pumps.values()) if not p.done]
     # NOTE: who owns what as asked, not as it stands once Redis answered. One script for
     # every lease (its two keys share a Redis Cluster slot), then one pipeline of keys.
-    owned = [(p, p.token) for p in pumps if p.owning]
+    # An owner that is done holds its lease until its log is written (Pump._drive).
+    owned = [(p, p.token) for p in list(_pumps.values()) if p.owning]
     if owned:
         renewed = await client.register_script(_RENEW_ALL)(
             keys=[LIVE_KEY, OWNERS_KEY],

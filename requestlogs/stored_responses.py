@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # history, so a longer chain is a larger row and a larger prompt on every turn.
 MAX_DEPTH = 256
 
+RUNNING = ("queued", "in_progress")  # a response's states before its end
+CANCELLED = "cancelled"
+
 
 @dataclass(frozen=True, slots=True)
 class StoredResponseInfo:
@@ -95,8 +98,16 @@ def _write(write: ResponseWrite, extra: Any) -> None:
     response = _redacted(write.response, extra)
     history = write.history_before + _redacted(write.turn, extra)
     if write.retention_days is None:
-        (StoredResponse.objects.for_tenant_id(write.tenant_id).filter(response_id=response_id)
-         .update(status=response["status"], response=response, history=history))
+        rows = StoredResponse.objects.for_tenant_id(write.tenant_id).filter(
+            response_id=response_id)
+        stored = rows.select_for_update().values_list("status", flat=True).first()
+        if stored == CANCELLED and response["status"] != CANCELLED:
+            # NOTE: its caller's cancel was stored first (stored_response_cancel): a
+            # running state does not undo it, and an end keeps what was made, cancelled.
+            if response["status"] in RUNNING:
+                return
+            response = {**response, "status": CANCELLED}
+        rows.update(status=response["status"], response=response, history=history)
         return
     now = timezone.now()
     StoredResponse.objects.create(
@@ -128,6 +139,24 @@ def stored_response_get(*, tenant_id: int, response_id: str) -> StoredResponseIn
            .filter(response_id=response_id, expires_at__gt=timezone.now()).first())
     if row is None:
         return None
+    return StoredResponseInfo(response_id=row.response_id, status=row.status, depth=row.depth,
+                              response=row.response, input_items=row.input_items,
+                              history=row.history)
+
+
+def stored_response_cancel(*, tenant_id: int, response_id: str) -> StoredResponseInfo | None:
+    """Marks the tenant's running response cancelled, at once and for good (the process
+    running it stops it and stores what it made, still cancelled); one that has ended is
+    left as it is. The response as stored after, or None if there is none."""
+    with transaction.atomic():
+        row = (StoredResponse.objects.for_tenant_id(tenant_id).select_for_update()
+               .filter(response_id=response_id, expires_at__gt=timezone.now()).first())
+        if row is None:
+            return None
+        if row.status in RUNNING:
+            row.status = CANCELLED
+            row.response = {**row.response, "status": CANCELLED}
+            row.save(update_fields=["status", "response"])
     return StoredResponseInfo(response_id=row.response_id, status=row.status, depth=row.depth,
                               response=row.response, input_items=row.input_items,
                               history=row.history)

@@ -36,6 +36,7 @@ from inference.protocols.responses_events import ResponseWriter, item_id
 from inference.service import resolve_model
 from requestlogs.facade import (
     MAX_DEPTH,
+    RUNNING,
     NotStored,
     ResponseWrite,
     stored_response_get,
@@ -50,7 +51,6 @@ _READ_POLL_S = 0.05
 INLINE_BODY_BYTES = 64 * 1024
 LOG_ABSENT_S = 10.0  # a reader waits this long for a log that is not there
 FINAL_STORE_ATTEMPTS = 6  # a background response's end, written over about 30 s
-RUNNING = ("queued", "in_progress")  # a response's states before its end
 _END = "end"  # the event log's last entry: no client sees it
 
 

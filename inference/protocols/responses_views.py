@@ -32,13 +32,18 @@ from inference.protocols.responses_flow import (
     run_in_background,
 )
 from inference.views import EventStream, api_view, followed, json_body
-from requestlogs.facade import StoredResponseInfo, stored_response_delete, stored_response_get
+from requestlogs.facade import (
+    StoredResponseInfo,
+    stored_response_cancel,
+    stored_response_delete,
+    stored_response_get,
+)
 from tenants.facade import Principal
 
 log = logging.getLogger(__name__)
 
 MAX_LIST = 100
-CANCEL_WAIT_S = 30.0
+CANCEL_WAIT_S = 5.0  # for the running process to store what it made, before the answer
 
 
 class ResponseNotFound(ApiError):
@@ -171,15 +176,19 @@ async def cancel(request: HttpRequest, response_id: str) -> HttpResponse:
 
 async def _settled(principal: Principal, response_id: str,
                    stored: StoredResponseInfo) -> StoredResponseInfo:
-    # The engine stops within a step; a loaded server takes longer to say so.
+    """The response once its process stored it stopped (the engine stops within a step);
+    on a loaded server that says nothing in time, marked cancelled here: the cancel holds
+    whatever the process does after, and what it made is stored with it when it stops."""
     deadline = time.monotonic() + CANCEL_WAIT_S
     while stored.status in RUNNING and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
         stored = await in_thread(stored_response_get, tenant_id=principal.tenant_id,
                                  response_id=response_id) or stored
     if stored.status in RUNNING:
-        log.warning("response %s: still %s %.0f s after its cancel", response_id,
-                    stored.status, CANCEL_WAIT_S)
+        log.info("response %s: still %s %.0f s after its cancel; marked cancelled",
+                 response_id, stored.status, CANCEL_WAIT_S)
+        stored = await in_thread(stored_response_cancel, tenant_id=principal.tenant_id,
+                                 response_id=response_id) or stored
     return stored
 
 

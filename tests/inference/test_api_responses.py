@@ -187,6 +187,29 @@ def test_a_background_response_is_cancelled_mid_generation(client, served_model,
     assert client.responses.retrieve(res.id).status == cancelled.status
 
 
+def test_a_cancel_holds_when_the_running_process_does_not_stop_in_time(
+        client, served_model, slow_engine, monkeypatch):  # noqa: F811
+    """A loaded server whose running process says nothing within the cancel's wait: the
+    cancel answers cancelled all the same, and the process's own end (here it never saw
+    the cancel and finished) stays cancelled, with what it made."""
+    from inference.protocols import responses_flow, responses_views
+
+    monkeypatch.setattr(responses_flow, "_CANCEL_POLL_S", 3600.0)  # the flag goes unseen
+    monkeypatch.setattr(responses_views, "CANCEL_WAIT_S", 0.3)
+    res = client.responses.create(model=served_model, input="Tell me a long story",
+                                  background=True, max_output_tokens=40,
+                                  text={"format": LONG_ANSWER})
+    for event in client.responses.retrieve(res.id, stream=True):
+        if event.type == "response.output_text.delta":
+            break  # it is generating
+    assert client.responses.cancel(res.id).status == "cancelled"
+    events = list(client.responses.retrieve(res.id, stream=True))  # to its end
+    assert events[-1].type == "response.incomplete"  # it ran on to its max_output_tokens
+    ended = client.responses.retrieve(res.id)
+    assert ended.status == "cancelled"
+    assert ended.output_text == events[-1].response.output_text != ""
+
+
 def test_a_background_responses_end_is_written_again_when_the_database_refused_it(
         client, served_model, slow_engine, monkeypatch):  # noqa: F811
     """A write of its end that fails (SQLite busy past its timeout) is retried: the response
