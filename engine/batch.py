@@ -67,6 +67,9 @@ class SchedulerOutput:
     # (source, destination) KV blocks the runner copies, every layer, before the forward
     # pass: copy-on-write of a block choices of one request shared (KVCacheManager.fork).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Copies between the pool and the host tier, in order, before those: ("save", block,
+    # slot) and ("load", slot, block) (engine/host_kv.py).
+    host_moves: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

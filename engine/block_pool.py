@@ -11,7 +11,7 @@ free queue is therefore also the least-recently-used eviction order.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -20,6 +20,12 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set once the block is full and in the cache index
+    owner: tuple[str, float] = ("", 1.0)  # the tenant (and its weight) that cached it
+
+
+# Told of each cached block the pool hands out again, before its content is overwritten:
+# (block id, its hash, its owner). The host tier keeps a copy (engine/host_kv.py).
+EvictionHook = Callable[[int, bytes, str, float], None]
 
 
 class BlockPool:
@@ -31,6 +37,7 @@ class BlockPool:
         # NOTE: holds exactly the blocks with ref_cnt == 0, least recently released first.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
+        self.on_evict: EvictionHook | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -49,6 +56,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:  # evict: its content is about to be overwritten
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash, *block.owner)
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -82,8 +91,10 @@ class BlockPool:
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"KV block {block.block_id} released more than taken")
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Indexes a full block under its hash, unless an equal block is indexed already.
+    def cache(self, block: KVBlock, block_hash: bytes,
+              owner: tuple[str, float] = ("", 1.0)) -> None:
+        """Indexes a full block under its hash, unless an equal block is indexed already;
+        ``owner``: the tenant whose prompt it holds, and its weight.
 
         NOTE: a hashed block is never written again: only full blocks are hashed, and a
         sequence only writes positions past those it has computed.
@@ -91,6 +102,7 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
+        block.owner = owner
         self._cached[block_hash] = block
 
     def uncache(self, block: KVBlock) -> None:

@@ -20,6 +20,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 512 * 1024 * 1024
     gpu_memory_utilization: float = 0.9
+    # The prefix cache's host tier: blocks the pool evicts are kept in this much host memory
+    # and loaded back instead of recomputed (engine/host_kv.py); 0: none.
+    kv_host_bytes: int = 0
     max_num_seqs: int = 64  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
     # Requests held waiting in the engine at most; the rest stay in the Redis streams, where
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.kv_cache_bytes < 1 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("kv_cache_bytes must be > 0 and gpu_memory_utilization in (0, 1]")
+        if self.kv_host_bytes < 0:
+            raise ValueError("kv_host_bytes must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_waiting < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_waiting must be >= 1")
         self._check_scheduling()

@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock
+from engine.host_kv import HostKVTier
 from engine.prefix_hash import hash_block
 from engine.sequence import Sequence
+
+# A cached prefix: blocks of the pool, then the hashes of blocks the host tier holds (loaded
+# back into fresh blocks when the sequence takes its prefix, ``allocate_slots``).
+CachedPrefix = list[KVBlock | bytes]
 
 
 @dataclass(slots=True)
@@ -29,9 +34,13 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, *, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, host_blocks: int = 0) -> None:
+        """``host_blocks``: the host tier's size in blocks (0: no host tier)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.host = HostKVTier(host_blocks) if host_blocks and enable_prefix_caching else None
+        if self.host is not None:
+            self.pool.on_evict = self.host.save
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
@@ -62,8 +71,9 @@ class KVCacheManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.tables.get(seq.request_id, ())]
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of ``seq`` in whole blocks, and how many tokens it covers.
+    def get_computed_blocks(self, seq: Sequence) -> tuple[CachedPrefix, int]:
+        """The longest cached prefix of ``seq`` in whole blocks (the pool's, then those the
+        host tier holds past them), and how many tokens it covers.
 
         At least one token is always left to compute, so the step that finishes the
         prompt has logits to sample from.
@@ -79,42 +89,98 @@ class KVCacheManager:
                 or seq.embedding is not None:
             return [], 0
         self._hash_full_blocks(seq, (seq.num_tokens - 1) // self.block_size)
-        hits = []
-        for block_hash in seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]:
+        hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]
+        hits: CachedPrefix = []
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.host is not None:
+            rest = hashes[len(hits):]
+            hits += rest[:self.host.lookup(rest)]
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed: list[KVBlock] | None = None) -> bool:
+                       computed: CachedPrefix | None = None) -> bool:
         """Makes room for ``num_new_tokens`` more tokens of ``seq``; False if the pool is short.
 
-        ``computed`` are cache hits for a sequence that holds no blocks yet; they come
-        first in its table.
+        ``computed`` is the cached prefix of a sequence that holds no blocks yet (it starts:
+        ``get_computed_blocks``); it comes first in its table, the host tier's blocks loaded
+        into fresh ones of the pool.
         """
         table = self.tables.get(seq.request_id, [])
-        computed = computed or []
+        hits = [b for b in computed or () if isinstance(b, KVBlock)]
+        kept = [h for h in computed or () if isinstance(h, bytes)]  # in the host tier
         if computed and table:
             raise ValueError("cache hits are only taken by a sequence that holds no blocks")
-        num_computed = seq.num_computed_tokens + len(computed) * self.block_size
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed)
+        num_computed = seq.num_computed_tokens + len(computed or ()) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) \
+            - len(computed or ())
         # NOTE: a block other choices of the request hold too (fork) is copied before this
         # sequence writes into it. Only a partly filled one can be: a full block is never
         # written again.
         shared = [i for i in range(seq.num_computed_tokens // self.block_size, len(table))
                   if table[i].ref_cnt > 1]
         # Hits sitting unused in the free queue stop being free once taken.
-        available = self.pool.num_free - sum(1 for b in computed if b.ref_cnt == 0)
-        if max(need, 0) + len(shared) > available:
+        available = self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+        if max(need, 0) + len(kept) + len(shared) > available:
             return False
-        self.pool.touch(computed)
+        self.pool.touch(hits)
         for i in shared:
             table[i] = self._copy_on_write(table[i])
-        table = table + computed + self.pool.allocate(max(need, 0))
+        table = table + hits + self._load(seq, kept) + self.pool.allocate(max(need, 0))
         self.tables[seq.request_id] = table
+        if computed is not None and self.host is not None and not seq.num_preemptions:
+            self.host.record_lookup((seq.num_prompt_tokens - len(hits) * self.block_size),
+                                    len(kept) * self.block_size)
         return True
+
+    def _load(self, seq: Sequence, kept: list[bytes]) -> list[KVBlock]:
+        """Fresh pool blocks for the host tier's ``kept`` ones, each loaded from there and
+        cached under its hash, as if computed here."""
+        if not kept:
+            return []
+        assert self.host is not None
+        # NOTE: held while the pool makes room: a block the pool evicts now is saved to the
+        # host tier, and that save must not take the slot of one about to be loaded.
+        self.host.pin(kept)
+        try:
+            blocks = self.pool.allocate(len(kept))
+        finally:
+            self.host.pin(kept, -1)
+        for block, block_hash in zip(blocks, kept, strict=True):
+            self.host.load(block_hash, block.block_id)
+            self.pool.cache(block, block_hash, (seq.tenant_id, seq.fair_weight))
+        return blocks
+
+    def snapshot(self) -> dict[str, int | float]:
+        """The pool's and the host tier's figures (the engine's heartbeat and metrics)."""
+        figures: dict[str, int | float] = {
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.num_blocks - self.num_free_blocks,
+            "kv_blocks_free": self.num_free_blocks, "kv_usage": self.usage,
+            "prefix_cache_queries": self.stats.queries, "prefix_cache_hits": self.stats.hits,
+            "prefix_cache_hit_rate": round(self.stats.hit_rate, 4)}
+        if self.host is not None:
+            host = self.host.stats
+            figures.update(
+                kv_host_blocks_total=self.host.num_slots, kv_host_blocks_used=self.host.num_used,
+                kv_host_saves=host.saves, kv_host_loads=host.loads,
+                kv_host_evictions=host.evictions, external_prefix_cache_queries=host.queries,
+                external_prefix_cache_hits=host.hits)
+        return figures
+
+    def take_host_moves(self) -> list[tuple[str, int, int]]:
+        """The copies between the pool and the host tier this step's forward pass needs
+        first, in order (HostKVTier.take_moves)."""
+        return self.host.take_moves() if self.host is not None else []
+
+    def reset_cache(self) -> None:
+        """Forgets every cached block, in both tiers (a forward pass failed)."""
+        self.pool.reset_cache()
+        if self.host is not None:
+            self.host.reset()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (another choice of ``parent``'s request) shares every block of
@@ -148,7 +214,7 @@ class KVCacheManager:
         table = self.tables.get(seq.request_id, [])
         self._hash_full_blocks(seq, num_full)
         for block, block_hash in zip(table[:num_full], seq.block_hashes, strict=False):
-            self.pool.cache(block, block_hash)
+            self.pool.cache(block, block_hash, (seq.tenant_id, seq.fair_weight))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Gives back the blocks past the first ``num_tokens`` positions of ``seq``: room

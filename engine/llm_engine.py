@@ -88,7 +88,8 @@ class LLMEngine:
         if self.adapters is not None:
             self.adapters.start(self.runner)  # the pinned ones, before any request
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching)
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 host_blocks=self.runner.num_host_blocks)
         # Structured output: the compiler is set up on its own thread at start, grammars
         # compile on another; a sequence waits in _compiling until its grammar is ready.
         self._grammars: Grammars | None = None
@@ -304,7 +305,7 @@ class LLMEngine:
             message = f"{type(exc).__name__}: {exc}"[:500]
             # NOTE: blocks indexed for this step were never (fully) written, and a request
             # that hit one in the same step is failing too; drop the whole index to be sure.
-            self.kv.pool.reset_cache()
+            self.kv.reset_cache()
             failed = [self.scheduler.abort(r.request_id, None, error=message)
                       for r in batch.requests]  # None for a request another row ended
             return self._settle(outputs + [out for out in failed if out is not None])
@@ -434,13 +435,7 @@ class LLMEngine:
         m, now = self.metrics, time.monotonic()
         return {
             "waiting": self.num_waiting(), "running": self.num_running(),
-            "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_used": self.kv.num_blocks - self.kv.num_free_blocks,
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "kv_usage": self.kv.usage,
-            "prefix_cache_queries": self.kv.stats.queries,
-            "prefix_cache_hits": self.kv.stats.hits,
-            "prefix_cache_hit_rate": round(self.kv.stats.hit_rate, 4),
+            **self.kv.snapshot(),
             "preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": m.prompt_tokens, "generation_tokens": m.generation_tokens,
             "prompt_tokens_per_s": round(m.prompt_rate.rate(now), 2),

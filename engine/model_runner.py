@@ -24,6 +24,7 @@ from engine.batch import (
 )
 from engine.config import EngineConfig
 from engine.embedding import pool_rows
+from engine.host_kv import SAVE
 from engine.kernels.sgmv import Segments
 from engine.layers.attention import AttentionMetadata, PrefillSpan
 from engine.lora.adapter import LoRAAdapter
@@ -77,6 +78,15 @@ class ModelRunner:
                           for _ in range(model_config.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                  self.block_size, self.num_blocks * self._block_bytes(model_config) / 2**20)
+        # The prefix cache's host tier (engine/host_kv.py): the same layout, in host memory
+        # (pinned on a GPU, so copies to and from it run at the bus's speed).
+        self.num_host_blocks = config.kv_host_bytes // self._block_bytes(model_config)
+        host = (self.num_host_blocks, *shape[1:])
+        pinned = self.device.type == "cuda"
+        self.host_caches = [(torch.zeros(host, dtype=self.dtype, pin_memory=pinned),
+                             torch.zeros(host, dtype=self.dtype, pin_memory=pinned))
+                            for _ in range(model_config.num_layers)] \
+            if self.num_host_blocks else []
 
     def _block_bytes(self, cfg: ModelConfig) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -121,6 +131,9 @@ class ModelRunner:
             if r.adapter_slot >= 0 and self.lora.slot_hash[r.adapter_slot] != r.adapter_hash:
                 raise RuntimeError(f"LoRA slot {r.adapter_slot} does not hold adapter "
                                    f"{r.adapter_hash} for request {r.request_id}")
+        if batch.host_moves:
+            self._move_host(batch.host_moves)
+            self.clock.lap("kv_host")
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
         if not reqs:
@@ -275,6 +288,34 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim]
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+
+    def _move_host(self, moves: list[tuple[str, int, int]]) -> None:
+        """The host tier's saves and loads, in order: each run of one kind at once, every
+        layer (a run is cut where a destination repeats: the later copy must win)."""
+        for kind, src, dst in _runs(moves):
+            source = torch.tensor(src, device=self.device if kind == SAVE else "cpu")
+            target = torch.tensor(dst, device="cpu" if kind == SAVE else self.device)
+            for pool, host in zip(self.kv_caches, self.host_caches, strict=True):
+                for device_cache, host_cache in zip(pool, host, strict=True):
+                    if kind == SAVE:
+                        host_cache[target] = device_cache[source].to("cpu")
+                    else:
+                        device_cache[target] = host_cache[source].to(self.device,
+                                                                     non_blocking=True)
+
+
+def _runs(moves: list[tuple[str, int, int]]) -> list[tuple[str, list[int], list[int]]]:
+    runs: list[tuple[str, list[int], list[int]]] = []
+    targets: set[int] = set()
+    for kind, src, dst in moves:
+        if not runs or runs[-1][0] != kind or dst in targets:
+            runs.append((kind, [], []))
+            targets = set()
+        runs[-1][1].append(src)
+        runs[-1][2].append(dst)
+        targets.add(dst)
+    return runs
 
 
 def _sampling_rows(reqs: list[ScheduledRequest], sampling: list[int]

@@ -28,6 +28,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=int(env("ATRIUM_BLOCK_SIZE", "16")))
     parser.add_argument("--kv-cache-mib", type=int, default=int(env("ATRIUM_KV_CACHE_MIB", "512")),
                         help="KV cache size on CPU (on CUDA: --gpu-memory-utilization)")
+    parser.add_argument("--kv-host-mib", type=int, default=int(env("ATRIUM_KV_HOST_MIB", "0")),
+                        help="host memory that keeps KV blocks evicted from the cache, "
+                             "loaded back instead of recomputed (0: none)")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         default=float(env("ATRIUM_GPU_MEMORY_UTILIZATION", "0.9")))
     parser.add_argument("--max-num-seqs", type=int, default=int(env("ATRIUM_MAX_NUM_SEQS", "64")))
@@ -114,7 +117,7 @@ def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
                 else "float32"
         return LLMEngine(EngineConfig(
             model_dir=model_dir, device=device, dtype=dtype, block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_mib * 2**20,
+            kv_cache_bytes=args.kv_cache_mib * 2**20, kv_host_bytes=args.kv_host_mib * 2**20,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting, priority_reserve_seats=args.priority_reserve_seats,
             fair_share=args.fair_share,

@@ -1,0 +1,153 @@
+"""The prefix cache's second tier: KV blocks kept in host memory after the engine's pool
+evicted them, found again by the same tenant-scoped block hashes and copied back instead of
+recomputed.
+
+Plain Python, no tensors: a slot here is only an index into the runner's host KV tensors
+(ModelRunner.host_caches), and the copies are moves the runner makes before each step's
+forward pass, in the order they were decided (``take_moves``):
+
+- ``save`` (device block -> host slot): a cached block the pool is handing out again; its
+  content is read before the step that reuses the block writes into it;
+- ``load`` (host slot -> device block): a prefix found here for a sequence about to run;
+  the block is in the pool's cache index from then on, as if computed.
+
+A block stays here after it is loaded back (the tier holds copies, not the only one), so
+evicting it from the pool again costs no copy.
+
+Fair between tenants: a tenant's share of the slots is its weight (the plan's fair weight,
+as the scheduler's) over the weights of the tenants that have blocks here. When the tier is
+full, the slot given up is the least recently used one of the tenant most over its share,
+so a tenant saving blocks by the thousand evicts its own once it holds its share, never the
+share of another. No lookup crosses tenants: the key of a prompt's first block holds its
+cache scope (tenant, salt, adapter) and every later key chains it (engine/prefix_hash.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+SAVE, LOAD = "save", "load"
+
+
+@dataclass(slots=True)
+class HostKVStats:
+    saves: int = 0  # blocks copied here from the pool
+    loads: int = 0  # blocks copied back into the pool (restores)
+    evictions: int = 0  # blocks given up here to make room
+    queries: int = 0  # prompt tokens looked up here (those the pool did not hold)
+    hits: int = 0  # of those, found here
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    slot: int
+    tenant: str
+    pinned: int = 0  # sequences about to load it: not given up meanwhile
+
+
+class HostKVTier:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("the host KV tier needs at least one slot")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._index: dict[bytes, _Entry] = {}
+        # Each tenant's keys, least recently used first; and each tenant's weight.
+        self._by_tenant: dict[str, OrderedDict[bytes, None]] = {}
+        self._weights: dict[str, float] = {}
+        self._moves: list[tuple[str, int, int]] = []
+        self.stats = HostKVStats()
+
+    @property
+    def num_used(self) -> int:
+        return len(self._index)
+
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self._index
+
+    def used_by(self, tenant: str) -> int:
+        return len(self._by_tenant.get(tenant, ()))
+
+    # --- the pool's evictions ----------------------------------------------------------------
+
+    def save(self, block_id: int, block_hash: bytes, tenant: str, weight: float = 1.0) -> None:
+        """Keeps the content of pool block ``block_id`` (about to be reused) under its hash;
+        nothing to copy when it is here already (it was loaded from here)."""
+        if block_hash in self._index:
+            self._touch(block_hash)
+            return
+        self._weights[tenant] = weight
+        slot = self._free.pop() if self._free else self._give_up_one(tenant)
+        if slot is None:
+            return  # every slot is pinned by a load this step: this block is not kept
+        self._index[block_hash] = _Entry(slot, tenant)
+        self._by_tenant.setdefault(tenant, OrderedDict())[block_hash] = None
+        self._moves.append((SAVE, block_id, slot))
+        self.stats.saves += 1
+
+    def _give_up_one(self, saver: str) -> int | None:
+        """The slot of the least recently used unpinned block of the tenant most over its
+        share (the saver counted as holding one more)."""
+        ranked = sorted(self._by_tenant, reverse=True, key=lambda t: (
+            (len(self._by_tenant[t]) + (t == saver)) / self._weights.get(t, 1.0)))
+        for tenant in ranked:
+            for block_hash in self._by_tenant[tenant]:
+                entry = self._index[block_hash]
+                if not entry.pinned:
+                    self._forget(block_hash)
+                    self.stats.evictions += 1
+                    return entry.slot
+        return None
+
+    # --- a sequence's prefix -----------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (chained keys, in order) are here, from the first on."""
+        found = 0
+        for block_hash in hashes:
+            if block_hash not in self._index:
+                break
+            found += 1
+        return found
+
+    def pin(self, hashes: list[bytes], delta: int = 1) -> None:
+        """Holds (``delta`` 1) or lets go of (-1) blocks a sequence is about to load."""
+        for block_hash in hashes:
+            self._index[block_hash].pinned += delta
+
+    def load(self, block_hash: bytes, block_id: int) -> None:
+        """Copies the block kept under ``block_hash`` into pool block ``block_id``."""
+        self._moves.append((LOAD, self._index[block_hash].slot, block_id))
+        self._touch(block_hash)
+        self.stats.loads += 1
+
+    def record_lookup(self, tokens: int, found: int) -> None:
+        self.stats.queries += tokens
+        self.stats.hits += found
+
+    # --- the runner's side -------------------------------------------------------------------
+
+    def take_moves(self) -> list[tuple[str, int, int]]:
+        """This step's copies, in the order they must run: (SAVE, block, slot) and
+        (LOAD, slot, block)."""
+        moves, self._moves = self._moves, []
+        return moves
+
+    def reset(self) -> None:
+        """Forgets every block (a forward pass failed: what a save read may be wrong)."""
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._index.clear()
+        self._by_tenant.clear()
+        self._moves.clear()
+
+    def _touch(self, block_hash: bytes) -> None:
+        self._by_tenant[self._index[block_hash].tenant].move_to_end(block_hash)
+
+    def _forget(self, block_hash: bytes) -> None:
+        entry = self._index.pop(block_hash)
+        keys = self._by_tenant[entry.tenant]
+        del keys[block_hash]
+        if not keys:
+            del self._by_tenant[entry.tenant]
+            self._weights.pop(entry.tenant, None)

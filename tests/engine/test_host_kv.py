@@ -1,0 +1,190 @@
+"""The prefix cache's host tier: blocks the pool evicts are kept in host memory and loaded
+back instead of recomputed, with the same output, never across tenants, fairly between
+them, and composed with preemption and speculation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.host_kv import LOAD, SAVE, HostKVTier
+from engine.llm_engine import LLMEngine
+from tests.engine.test_llm_engine import drain, request, tokens
+
+MAX_NEW = 12
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+# -- the tier on its own ----------------------------------------------------------------------
+
+def test_saved_blocks_are_found_in_order_and_loaded_from_their_slot():
+    tier = HostKVTier(4)
+    for block, i in ((7, 1), (8, 2), (9, 3)):
+        tier.save(block, _key(i), "a")
+    assert tier.lookup([_key(1), _key(2), _key(5), _key(3)]) == 2  # a chain stops at a miss
+    tier.load(_key(2), 3)
+    tier.save(8, _key(2), "a")  # evicted again: it is here already, nothing to copy
+    moves = tier.take_moves()
+    assert [m[0] for m in moves] == [SAVE, SAVE, SAVE, LOAD]
+    assert moves[3] == (LOAD, moves[1][2], 3) and tier.take_moves() == []
+    assert tier.stats.saves == 3 and tier.stats.loads == 1
+
+
+def test_a_flooding_tenant_evicts_its_own_blocks_not_anothers_share():
+    tier = HostKVTier(10)
+    for i in range(4):
+        tier.save(i, _key(1000 + i), "quiet")
+    for i in range(500):  # a tenant saving blocks by the hundred
+        tier.save(100 + i, _key(i), "flood")
+    assert tier.used_by("quiet") == 4 and tier.used_by("flood") == 6
+    assert tier.lookup([_key(1000 + i) for i in range(4)]) == 4
+    # A weight of 3 to 1 gives the heavier tenant three quarters of the tier.
+    tier.reset()
+    for i in range(200):
+        tier.save(i, _key(i), "light", 1.0)
+        tier.save(1000 + i, _key(1000 + i), "heavy", 3.0)
+    assert (tier.used_by("heavy"), tier.used_by("light")) in ((7, 3), (8, 2))
+
+
+def test_a_block_about_to_be_loaded_is_not_given_up_for_a_save():
+    tier = HostKVTier(2)
+    tier.save(0, _key(1), "a")
+    tier.save(1, _key(2), "a")
+    tier.pin([_key(1), _key(2)])
+    tier.save(2, _key(3), "a")  # full and everything pinned: this one is not kept
+    assert not tier.holds(_key(3)) and tier.num_used == 2
+    tier.pin([_key(1), _key(2)], -1)
+    tier.save(2, _key(3), "a")
+    assert tier.holds(_key(3)) and not tier.holds(_key(1))  # the least recently used went
+
+
+# -- in the engine --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def conversations() -> list[list[int]]:
+    """Six tenants' long prompts (a 96-token prefix each, then a turn of their own)."""
+    rng = random.Random(7)
+    return [[rng.randrange(10, 1400) for _ in range(96 + 5 + i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path, conversations: list[list[int]]) -> list[list[int]]:
+    from engine.reference import generate_reference
+
+    return generate_reference(tiny_model_dir, conversations, MAX_NEW)
+
+
+def _engine(model_dir: Path, *, host_mib: float = 8, **options) -> LLMEngine:
+    # A pool that holds about two of the six prompts: the others' blocks are evicted.
+    options = {"num_kv_blocks": 16, "block_size": 16, "max_num_batched_tokens": 128,
+               **options}
+    return LLMEngine(EngineConfig(model_dir=model_dir, kv_host_bytes=int(host_mib * 2**20),
+                                  **options))
+
+
+def _round(engine: LLMEngine, conversations: list[list[int]], tag: str,
+           tenant=lambda i: f"t{i}") -> tuple[list[list[int]], list[int]]:
+    """Each prompt in turn (one at a time: each evicts what the others cached)."""
+    outs, cached = [], []
+    for i, prompt in enumerate(conversations):
+        engine.add_request(request(f"{tag}{i}", prompt, tenant=tenant(i), salt=tenant(i),
+                                   max_tokens=MAX_NEW, ignore_eos=True))
+        done = drain(engine)[f"{tag}{i}"]
+        outs.append(tokens(done))
+        cached.append(done[-1].usage.cached_tokens)
+    return outs, cached
+
+
+def test_a_restored_prefix_gives_the_same_greedy_output_as_computing_it(
+        tiny_model_dir, conversations, expected):
+    engine = _engine(tiny_model_dir)
+    first, cached = _round(engine, conversations, "a")
+    assert first == expected and cached == [0] * 6
+    again, cached = _round(engine, conversations, "b")
+    assert again == expected
+    # Every prefix came back (the pool held too few of them): 6 full blocks each.
+    assert cached == [96] * 6
+    snap = engine.snapshot()
+    assert snap["external_prefix_cache_hits"] >= 4 * 96 and snap["kv_host_loads"] >= 4 * 6
+    assert snap["kv_host_saves"] > 0 and snap["kv_host_blocks_used"] > 0
+
+    # Without the host tier, the same pool recomputes what it evicted.
+    plain = _engine(tiny_model_dir, host_mib=0)
+    _round(plain, conversations, "a")
+    again, cached = _round(plain, conversations, "b")
+    assert again == expected and sum(cached) < 96 * 6
+    assert "external_prefix_cache_hits" not in plain.snapshot()
+
+
+def test_a_restored_block_from_another_tenant_is_never_used(tiny_model_dir, conversations,
+                                                            expected):
+    engine = _engine(tiny_model_dir)
+    _round(engine, conversations, "a", tenant=lambda i: "owner")
+    loads = engine.snapshot()["kv_host_loads"]
+    # The same prompts under other tenants: nothing of the owner's is found in either tier.
+    outs, cached = _round(engine, conversations, "b", tenant=lambda i: f"other{i}")
+    assert outs == expected and cached == [0] * 6
+    assert engine.snapshot()["kv_host_loads"] == loads
+
+
+def test_the_tiers_accounting_returns_to_empty(tiny_model_dir, conversations):
+    engine = _engine(tiny_model_dir)
+    for tag in "abc":
+        _round(engine, conversations, tag)
+    snap = engine.snapshot()
+    assert snap["kv_blocks_used"] == 0  # every block back in the pool's free queue
+    host = engine.kv.host
+    assert sum(host.used_by(f"t{i}") for i in range(6)) == host.num_used \
+        == snap["kv_host_blocks_used"] <= snap["kv_host_blocks_total"]
+    assert host.take_moves() == []  # every copy decided was handed to a step
+    engine.kv.reset_cache()  # as a failed forward pass does
+    assert host.num_used == 0 and engine.kv.pool.cached_keys() == []
+    outs, cached = _round(engine, conversations[:2], "d")
+    assert cached == [0, 0]
+
+
+def test_a_small_host_tier_keeps_what_fits_and_the_output_stays_right(
+        tiny_model_dir, conversations, expected):
+    engine = _engine(tiny_model_dir, host_mib=0.25)
+    slots = engine.kv.host.num_slots
+    assert 0 < slots < 6 * 6  # fewer than the six prefixes' blocks
+    for tag in "ab":
+        outs, _ = _round(engine, conversations, tag)
+        assert outs == expected
+    assert engine.kv.host.num_used == slots and engine.snapshot()["kv_host_evictions"] > 0
+
+
+@pytest.mark.parametrize("options", [
+    {"num_kv_blocks": 20, "block_size": 8, "max_num_batched_tokens": 48},  # preempts
+    {"speculative": "ngram", "num_speculative_tokens": 3, "speculative_max_batch": 64,
+     "num_kv_blocks": 16, "block_size": 8, "max_num_batched_tokens": 48},
+], ids=["preempting", "speculative"])
+def test_restores_compose_with_preemption_and_speculation(tiny_model_dir, conversations,
+                                                          expected, options):
+    engine = _engine(tiny_model_dir, **options)
+    for tag in "ab":  # all at once: they preempt each other and restore what was evicted
+        for i, prompt in enumerate(conversations):
+            engine.add_request(request(f"{tag}{i}", prompt, tenant=f"t{i}", salt=f"t{i}",
+                                       max_tokens=MAX_NEW, ignore_eos=True))
+        done = drain(engine)
+        assert [tokens(done[f"{tag}{i}"]) for i in range(6)] == expected
+    snap = engine.snapshot()
+    assert snap["kv_host_loads"] > 0
+    assert snap["spec_decode_num_drafts"] > 0 if options.get("speculative") \
+        else snap["preemptions"] > 0
+
+
+def test_a_restarted_engine_starts_with_empty_tiers(tiny_model_dir, conversations, expected):
+    engine = _engine(tiny_model_dir)
+    _round(engine, conversations, "a")
+    assert engine.kv.host.num_used > 0
+    restarted = _engine(tiny_model_dir)
+    assert restarted.snapshot()["kv_host_blocks_used"] == 0
+    outs, cached = _round(restarted, conversations, "a")
+    assert outs == expected and cached == [0] * 6
