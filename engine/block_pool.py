@@ -14,18 +14,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# The tenant whose prompt a cached block holds, its weight, and the seconds of disuse its
+# request asked the block be kept ahead of others (prompt_cache_retention; 0: none).
+Owner = tuple[str, float, float]
+
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set once the block is full and in the cache index
-    owner: tuple[str, float] = ("", 1.0)  # the tenant (and its weight) that cached it
+    owner: Owner = ("", 1.0, 0.0)  # who cached it
 
 
 # Told of each cached block the pool hands out again, before its content is overwritten:
-# (block id, its hash, its owner). The host tier keeps a copy (engine/host_kv.py).
-EvictionHook = Callable[[int, bytes, str, float], None]
+# (block id, its hash, then its owner's three). The host tier keeps a copy (host_kv.py).
+EvictionHook = Callable[[int, bytes, str, float, float], None]
 
 
 class BlockPool:
@@ -91,10 +95,9 @@ class BlockPool:
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"KV block {block.block_id} released more than taken")
 
-    def cache(self, block: KVBlock, block_hash: bytes,
-              owner: tuple[str, float] = ("", 1.0)) -> None:
+    def cache(self, block: KVBlock, block_hash: bytes, owner: Owner = ("", 1.0, 0.0)) -> None:
         """Indexes a full block under its hash, unless an equal block is indexed already;
-        ``owner``: the tenant whose prompt it holds, and its weight.
+        ``owner``: the tenant whose prompt it holds (Owner).
 
         NOTE: a hashed block is never written again: only full blocks are hashed, and a
         sequence only writes positions past those it has computed.

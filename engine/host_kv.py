@@ -18,13 +18,19 @@ Fair between tenants: a tenant's share of the slots is its weight (the plan's fa
 as the scheduler's) over the weights of the tenants that have blocks here. When the tier is
 full, the slot given up is the least recently used one of the tenant most over its share,
 so a tenant saving blocks by the thousand evicts its own once it holds its share, never the
-share of another. No lookup crosses tenants: the key of a prompt's first block holds its
-cache scope (tenant, salt, adapter) and every later key chains it (engine/prefix_hash.py).
+share of another. A block whose request asked it be kept (``prompt_cache_retention``
+"24h": ``retention_s``) goes after its tenant's other blocks until it has gone unused that
+long, and not at all while its tenant is within its share (past it, retention protects
+nothing beyond the order). No lookup crosses tenants: the key of a prompt's first block
+holds its cache scope (tenant, salt, adapter) and every later key chains it
+(engine/prefix_hash.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SAVE, LOAD = "save", "load"
@@ -43,14 +49,17 @@ class HostKVStats:
 class _Entry:
     slot: int
     tenant: str
+    retention_s: float = 0.0  # kept ahead of others this long after its last use
+    kept_until: float = 0.0  # (the tier's clock)
     pinned: int = 0  # sequences about to load it: not given up meanwhile
 
 
 class HostKVTier:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         if num_slots < 1:
             raise ValueError("the host KV tier needs at least one slot")
         self.num_slots = num_slots
+        self._clock = clock
         self._free = list(range(num_slots - 1, -1, -1))
         self._index: dict[bytes, _Entry] = {}
         # Each tenant's keys, least recently used first; and each tenant's weight.
@@ -71,11 +80,12 @@ class HostKVTier:
 
     # --- the pool's evictions ----------------------------------------------------------------
 
-    def save(self, block_id: int, block_hash: bytes, tenant: str, weight: float = 1.0) -> None:
+    def save(self, block_id: int, block_hash: bytes, tenant: str, weight: float = 1.0,
+             retention_s: float = 0.0) -> None:
         """Keeps the content of pool block ``block_id`` (about to be reused) under its hash;
         nothing to copy when it is here already (it was loaded from here)."""
         if block_hash in self._index:
-            self._touch(block_hash)
+            self._touch(block_hash, retention_s)
             return
         self._weights[tenant] = weight
         slot = self._free.pop() if self._free else self._give_up_one(tenant)
@@ -83,21 +93,34 @@ class HostKVTier:
             return  # every slot is pinned by a load this step: this block is not kept
         self._index[block_hash] = _Entry(slot, tenant)
         self._by_tenant.setdefault(tenant, OrderedDict())[block_hash] = None
+        self._touch(block_hash, retention_s)
         self._moves.append((SAVE, block_id, slot))
         self.stats.saves += 1
 
     def _give_up_one(self, saver: str) -> int | None:
         """The slot of the least recently used unpinned block of the tenant most over its
-        share (the saver counted as holding one more)."""
-        ranked = sorted(self._by_tenant, reverse=True, key=lambda t: (
-            (len(self._by_tenant[t]) + (t == saver)) / self._weights.get(t, 1.0)))
-        for tenant in ranked:
-            for block_hash in self._by_tenant[tenant]:
-                entry = self._index[block_hash]
-                if not entry.pinned:
-                    self._forget(block_hash)
+        share (the saver counted as holding one more); its kept ones (retention) last, and
+        not at all while it is within its share, but as a last resort."""
+        held = {t: len(keys) + (t == saver) for t, keys in self._by_tenant.items()}
+        total = sum(self._weights.get(t, 1.0) for t in {*held, saver})
+        ranked = sorted(held, key=lambda t: held[t] / self._weights.get(t, 1.0), reverse=True)
+        now = self._clock()
+        for last_resort in (False, True):
+            for tenant in ranked:
+                within = held[tenant] <= self.num_slots * self._weights.get(tenant, 1.0) / total
+                kept, plain = [], []
+                for block_hash in self._by_tenant[tenant]:
+                    entry = self._index[block_hash]
+                    if not entry.pinned:
+                        (kept if entry.kept_until > now else plain).append(block_hash)
+                        if plain:
+                            break  # the least recently used ordinary one: it goes
+                choice = plain or (kept if last_resort or not within else [])
+                if choice:
+                    slot = self._index[choice[0]].slot
+                    self._forget(choice[0])
                     self.stats.evictions += 1
-                    return entry.slot
+                    return slot
         return None
 
     # --- a sequence's prefix -----------------------------------------------------------------
@@ -141,8 +164,13 @@ class HostKVTier:
         self._by_tenant.clear()
         self._moves.clear()
 
-    def _touch(self, block_hash: bytes) -> None:
-        self._by_tenant[self._index[block_hash].tenant].move_to_end(block_hash)
+    def _touch(self, block_hash: bytes, retention_s: float = 0.0) -> None:
+        """Used now: the most recently used of its tenant's, kept ahead of others for its
+        retention from now (the longest any of its requests asked)."""
+        entry = self._index[block_hash]
+        self._by_tenant[entry.tenant].move_to_end(block_hash)
+        entry.retention_s = max(entry.retention_s, retention_s)
+        entry.kept_until = self._clock() + entry.retention_s
 
     def _forget(self, block_hash: bytes) -> None:
         entry = self._index.pop(block_hash)

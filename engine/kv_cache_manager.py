@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVBlock
+from engine.block_pool import BlockPool, KVBlock, Owner
 from engine.host_kv import HostKVTier
 from engine.prefix_hash import hash_block
 from engine.sequence import Sequence
@@ -151,7 +151,7 @@ class KVCacheManager:
             self.host.pin(kept, -1)
         for block, block_hash in zip(blocks, kept, strict=True):
             self.host.load(block_hash, block.block_id)
-            self.pool.cache(block, block_hash, (seq.tenant_id, seq.fair_weight))
+            self.pool.cache(block, block_hash, _owner(seq))
         return blocks
 
     def snapshot(self) -> dict[str, int | float]:
@@ -214,7 +214,7 @@ class KVCacheManager:
         table = self.tables.get(seq.request_id, [])
         self._hash_full_blocks(seq, num_full)
         for block, block_hash in zip(table[:num_full], seq.block_hashes, strict=False):
-            self.pool.cache(block, block_hash, (seq.tenant_id, seq.fair_weight))
+            self.pool.cache(block, block_hash, _owner(seq))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Gives back the blocks past the first ``num_tokens`` positions of ``seq``: room
@@ -247,3 +247,7 @@ class KVCacheManager:
             extra = seq.cache_scope if i == 0 else b""
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * size:(i + 1) * size],
                                                extra))
+
+
+def _owner(seq: Sequence) -> Owner:
+    return seq.tenant_id, seq.fair_weight, seq.cache_retention_s

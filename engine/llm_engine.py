@@ -492,4 +492,5 @@ def _send_prompt_logprobs(due: list[Sequence], outputs: list[RequestOutput]) -> 
 def _service(request: protocol.EngineRequest) -> dict[str, Any]:
     """How ``request``'s sequences are scheduled: tier, class, fair weight, queue deadline."""
     return {"priority": request.priority, "tier": protocol.tier_of(request),
-            "fair_weight": request.fair_weight, "queue_deadline": request.queue_deadline}
+            "fair_weight": request.fair_weight, "queue_deadline": request.queue_deadline,
+            "cache_retention_s": request.cache_retention_s}

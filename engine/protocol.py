@@ -215,10 +215,9 @@ TASK_GENERATE = "generate"  # text from each prompt: deltas, then the final even
 # the final event carries them ("embeddings"); the sampling spec is not read.
 TASK_EMBED = "embed"
 TASKS = (TASK_GENERATE, TASK_EMBED)
-# An embed request's inputs after ``prompt_token_ids``, at most (OpenAI's /v1/embeddings
-# takes lists of inputs; 256 in all).
-MAX_EMBED_INPUTS = 255
+MAX_EMBED_INPUTS = 255  # an embed request's inputs after ``prompt_token_ids`` (256 in all)
 MAX_FAIR_WEIGHT = 1000.0
+MAX_CACHE_RETENTION_S = 7 * 24 * 3600.0
 # Tenants a heartbeat's placement names in "fair", at most (the most served first).
 FAIR_STANDING_MAX = 64
 
@@ -268,14 +267,14 @@ class EngineRequest:
     api_key_id: int | None = None  # for the usage ledger; never an access decision here
     # The request's ``user`` (the tenant's end user), for the ledger and its budgets.
     user: str | None = None
-    # The ledger's key for this request's usage when it is not ``request_id``: a batch
-    # line's, the same for each attempt at it, so a line is billed once.
+    # The ledger's key for its usage when not ``request_id``: a batch line's, billed once.
     usage_id: str | None = None
     price_class: str = "interactive"  # "batch", "embedding": the price book's class it bills at
     priority: int = 0  # the plan's class within its tier; lower runs first
     deadline: float | None = None  # unix seconds; past it the engine stops with "deadline"
     service_tier: str = TIER_DEFAULT  # one of TIERS
     fair_weight: float = 1.0  # the plan's weight in token-fair scheduling (fair_share.py)
+    cache_retention_s: float = 0.0  # its cached blocks kept ahead of others (host_kv.py)
     # Unix seconds: a request not yet started by then ends with FINISH_QUEUE_TIMEOUT, having
     # used nothing (flex: the client's timeout).
     queue_deadline: float | None = None
@@ -284,12 +283,10 @@ class EngineRequest:
     # Prompts 1..P-1, each run like ``prompt_token_ids`` (prompt 0); prompt p's sample i is
     # choice p * n + i.
     extra_prompts: list[list[int]] = field(default_factory=list)
-    # ``notify_stream`` of the reader waiting for this request's events: every write of
-    # them also names the request there, so that reader reads the streams that have news
-    # instead of every open one. None: nobody is told; the reader finds them by polling.
+    # ``notify_stream`` of the reader waiting for its events: each write names the request
+    # there, so the reader reads only streams with news. None: it polls.
     notify: str | None = None
-    # The W3C traceparent of the web tier's span for this request, when tracing is on: the
-    # engine's spans are its children (docs/observability.md).
+    # The W3C traceparent of the web tier's span, when tracing is on (observability.md).
     traceparent: str | None = None
     # TASK_GENERATE or TASK_EMBED (absent in an earlier version's message: generate). An
     # embed request's inputs are ``prompt_token_ids`` then each of ``extra_prompts`` (at most
@@ -326,6 +323,9 @@ class EngineRequest:
             raise ValueError(f"request.service_tier must be one of {', '.join(TIERS)}")
         if not 0 < request.fair_weight <= MAX_FAIR_WEIGHT:
             raise ValueError(f"request.fair_weight must be above 0 and at most {MAX_FAIR_WEIGHT}")
+        if not 0 <= request.cache_retention_s <= MAX_CACHE_RETENTION_S:
+            raise ValueError("request.cache_retention_s must be from 0 to "
+                             f"{MAX_CACHE_RETENTION_S}")
         return request
 
 

@@ -1,10 +1,9 @@
 """The one validation layer for inference request bodies, HTTP and websocket alike.
 
-Pydantic models, strict like OpenAI: unknown fields, wrong types and values out of range
-are a 400 naming the parameter (``messages[0].role``), before anything is tokenized or
-queued. Text that reaches the tokenizer or the database holds no NUL and no lone UTF-16
-surrogate; bodies nest at most ``MAX_NESTING`` levels. The result is plain dataclasses.
-"""
+Pydantic models, strict like OpenAI: unknown fields, wrong types and values out of range are a
+400 naming the parameter (``messages[0].role``), before anything is tokenized or queued. Text
+that reaches the tokenizer or the database holds no NUL and no lone UTF-16 surrogate; bodies
+nest at most ``MAX_NESTING`` levels. The result is plain dataclasses."""
 
 from __future__ import annotations
 
@@ -208,8 +207,7 @@ def _logit_bias(value: dict[str, Any]) -> dict[str, float]:
                                       {"key": key[:20]})
         if isinstance(bias, bool) or not isinstance(bias, int | float) \
                 or not -100 <= bias <= 100:
-            raise PydanticCustomError("invalid_value",
-                                      "values must be numbers from -100 to 100")
+            raise PydanticCustomError("invalid_value", "values must be numbers from -100 to 100")
     return {str(int(k)): float(v) for k, v in value.items()}
 
 
@@ -228,6 +226,8 @@ class CommonBody(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: EndUser | None = None
+    prompt_cache_key: EndUser | None = None  # where to run it (prompt_cache.py)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # prompt_cache.py
     store: bool | None = None
     metadata: Annotated[Any, AfterValidator(metadata_value)] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None

@@ -35,7 +35,7 @@ from core.errors import ApiError, InvalidRequest
 from core.metrics import ADMISSION_SECONDS
 from core.redis import async_client
 from inference import admission as quota
-from inference import embeddings, responses, resumable, service, telemetry, tiers
+from inference import embeddings, prompt_cache, responses, resumable, service, telemetry, tiers
 from inference.dispatch import FINAL_WAIT_S, Dispatch
 from inference.event_hub import Replay, Subscription, event_hub
 from inference.requestlog import Trace
@@ -133,7 +133,7 @@ class Run:
             exc.headers = {**limits.headers(), **exc.headers}
             raise
         self.trace.prepared = prepared
-        prepared.session = session or None
+        prepared.session = session or prompt_cache.key_of(self.body)
         prepared.engine_request.traceparent = telemetry.traceparent(self.trace.span)
         request = prepared.engine_request
         request.queue_deadline = tiers.queue_deadline(request.service_tier, client_timeout,

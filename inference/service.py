@@ -36,7 +36,7 @@ from core.served_models import ChatTemplateError, ServedModel, served_models
 from engine import protocol
 from inference import admission as quota
 from inference import params as p
-from inference import tiers
+from inference import prompt_cache, tiers
 from inference.dispatch import Dispatch
 from inference.errors import (
     AdapterNotReady,
@@ -308,6 +308,7 @@ def prepare(*, principal: Principal, kind: Kind, body: Any,
         priority=principal.priority,
         service_tier=tier,
         fair_weight=principal.fair_weight,
+        cache_retention_s=prompt_cache.retention_s(body, principal),
         usage_id=batch_line,
         price_class=price_class,
         deadline=deadline,

@@ -85,6 +85,9 @@ class Plan(models.Model):
     # Its tenants' weight in token-fair scheduling: twice the weight, twice the tokens of
     # service when tenants compete for an engine (docs/tiers.md).
     fair_weight = models.FloatField(default=1.0)
+    # Its tenants may ask for prompt_cache_retention "24h": their prompts' cached KV blocks
+    # kept in the engines' host tier ahead of other blocks for a day of disuse (docs/engine.md).
+    extended_prompt_cache = models.BooleanField(default=False)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -55,6 +55,8 @@ class Principal:
     service_tiers: tuple[str, ...] = ("default", "flex")
     default_service_tier: str = "default"
     fair_weight: float = 1.0
+    # The plan lets its tenants ask prompt_cache_retention "24h" (inference/prompt_cache.py).
+    extended_prompt_cache: bool = False
 
     @property
     def key_lineage(self) -> int:

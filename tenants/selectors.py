@@ -141,6 +141,7 @@ def principal_for_key(key: ApiKey, *, tenant_limits_: Limits | None = None) -> P
         service_tiers=tuple(tenant.plan.service_tiers),
         default_service_tier=tenant.plan.default_service_tier,
         fair_weight=tenant.plan.fair_weight,
+        extended_prompt_cache=tenant.plan.extended_prompt_cache,
         tenant_limits=tenant_limits_ or tenant_limits(tenant=tenant),
         key_limits=key_limits(tenant=tenant, api_key=key))
 

@@ -271,6 +271,9 @@ class PlanForm(forms.Form):
         required=False, label="Service tier of a request that asks for none")
     fair_weight = forms.FloatField(min_value=0.001, max_value=MAX_FAIR_WEIGHT, initial=1.0,
                                    required=False, label="Weight in token-fair scheduling")
+    extended_prompt_cache = forms.BooleanField(
+        required=False, label="Tenants may keep their prompt cache a day "
+                              "(prompt_cache_retention '24h')")
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()

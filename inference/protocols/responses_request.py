@@ -103,8 +103,8 @@ class ResponseBody(Strict):
     prompt: _unsupported("prompt templates are not supported") = None  # type: ignore
     conversation: _unsupported("conversations are not supported; use "  # type: ignore
                                "'previous_response_id'") = None
-    prompt_cache_key: _unsupported("is not supported yet") = None  # type: ignore
-    prompt_cache_retention: _unsupported("is not supported yet") = None  # type: ignore
+    prompt_cache_key: EndUser | None = None  # inference/prompt_cache.py
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     context_management: _unsupported("is not supported") = None  # type: ignore
 
 
@@ -310,6 +310,8 @@ def chat_body(request: ResponseRequest, messages: list[dict[str, Any]]) -> dict[
                         ("temperature", body.temperature), ("top_p", body.top_p),
                         ("seed", body.seed), ("parallel_tool_calls", body.parallel_tool_calls),
                         ("service_tier", body.service_tier),
+                        ("prompt_cache_key", body.prompt_cache_key),
+                        ("prompt_cache_retention", body.prompt_cache_retention),
                         ("user", body.user or body.safety_identifier)):
         if value is not None:
             chat[name] = value

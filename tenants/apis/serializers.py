@@ -66,6 +66,13 @@ def fair_weight_field(**kwargs: Any) -> serializers.FloatField:
         **kwargs)
 
 
+def extended_prompt_cache_field(**kwargs: Any) -> serializers.BooleanField:
+    return serializers.BooleanField(
+        help_text="its tenants may ask prompt_cache_retention '24h': their prompts' cached "
+                  "KV blocks kept ahead of others in the engines' host tier for a day of "
+                  "disuse", **kwargs)
+
+
 def resume_grace_field(**kwargs: Any) -> serializers.IntegerField:
     """How long a plan's tenants' resumable streams outlive their clients, at most."""
     return serializers.IntegerField(min_value=0, max_value=RESUME_GRACE_MAX_S, allow_null=True,
@@ -218,6 +225,7 @@ class PlanSerializer(LimitsSerializer):
     service_tiers = service_tiers_field()
     default_service_tier = default_service_tier_field()
     fair_weight = fair_weight_field()
+    extended_prompt_cache = extended_prompt_cache_field()
 
 
 @extend_schema_serializer(component_name="AuditEvent")

@@ -15,6 +15,7 @@ from tenants.apis.serializers import (
     PlanSerializer,
     TenantSerializer,
     default_service_tier_field,
+    extended_prompt_cache_field,
     fair_weight_field,
     limits_of,
     list_of,
@@ -80,6 +81,7 @@ class PlanCreateApi(Api):
         service_tiers = service_tiers_field(required=False)
         default_service_tier = default_service_tier_field(required=False)
         fair_weight = fair_weight_field(required=False)
+        extended_prompt_cache = extended_prompt_cache_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Create a plan (operators)", request=InputSerializer,
                    responses={201: PlanSerializer})
@@ -114,6 +116,7 @@ class PlanUpdateApi(Api):
         service_tiers = service_tiers_field(required=False)
         default_service_tier = default_service_tier_field(required=False)
         fair_weight = fair_weight_field(required=False)
+        extended_prompt_cache = extended_prompt_cache_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Change a plan (operators); applies to its tenants "
                    "at once", request=InputSerializer, responses=PlanSerializer)

@@ -30,8 +30,10 @@ def _plan_snapshot(plan: Plan) -> dict[str, Any]:
             **{f: getattr(plan, f) for f in (*PLAN_LIMIT_FIELDS, *_SERVICE_FIELDS)}}
 
 
-# How a plan's requests are served: the tiers offered, the one "auto" picks, the fair weight.
-_SERVICE_FIELDS = ("service_tiers", "default_service_tier", "fair_weight")
+# How a plan's requests are served: the tiers offered, the one "auto" picks, the fair weight,
+# and whether its prompts' cache may be kept longer.
+_SERVICE_FIELDS = ("service_tiers", "default_service_tier", "fair_weight",
+                   "extended_prompt_cache")
 
 
 def _validated_service(tiers: list[str], default: str, weight: float) -> None:
@@ -62,7 +64,8 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
                 max_file_bytes: int | None = None, max_active_batches: int | None = None,
                 response_retention_days: int | None = None,
                 resume_grace_s: int | None = None, service_tiers: list[str] | None = None,
-                default_service_tier: str = "default", fair_weight: float = 1.0) -> Plan:
+                default_service_tier: str = "default", fair_weight: float = 1.0,
+                extended_prompt_cache: bool = False) -> Plan:
     if Plan.objects.filter(slug=slug).exists():
         raise Conflict(f"plan '{slug}' already exists", param="slug")
     validated_plan_limits({
@@ -82,7 +85,7 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
         max_file_bytes=max_file_bytes, max_active_batches=max_active_batches,
         response_retention_days=response_retention_days, resume_grace_s=resume_grace_s,
         service_tiers=service_tiers, default_service_tier=default_service_tier,
-        fair_weight=fair_weight)
+        fair_weight=fair_weight, extended_prompt_cache=extended_prompt_cache)
     audit_record(tenant=None, actor=actor, action="plan.create", target_type="plan",
                  target_id=plan.slug, after=_plan_snapshot(plan))
     return plan

@@ -64,6 +64,32 @@ def test_a_block_about_to_be_loaded_is_not_given_up_for_a_save():
     assert tier.holds(_key(3)) and not tier.holds(_key(1))  # the least recently used went
 
 
+def test_a_retained_block_is_given_up_last_until_it_goes_unused_that_long():
+    now = [0.0]
+    tier = HostKVTier(6, clock=lambda: now[0])
+    for i in range(2):
+        tier.save(i, _key(100 + i), "keeper", retention_s=3600)  # the oldest here
+    for i in range(40):  # another tenant's blocks, and the keeper's own unretained ones
+        tier.save(10 + i, _key(i), "busy")
+    assert tier.holds(_key(100)) and tier.holds(_key(101))
+    tier.save(60, _key(200), "keeper")
+    tier.save(61, _key(201), "keeper")  # its share is 3: its unretained block goes first
+    assert tier.holds(_key(100)) and tier.holds(_key(101)) and tier.used_by("keeper") == 3
+    tier.save(62, _key(202), "keeper")  # again its newer ordinary block goes
+    assert tier.holds(_key(100)) and not tier.holds(_key(201))
+    now[0] = 3601.0  # an hour unused: ordinary blocks again, least recently used first
+    tier.save(63, _key(203), "keeper")
+    assert not tier.holds(_key(100)) and tier.holds(_key(101)) and tier.holds(_key(202))
+
+
+def test_retention_past_a_tenants_share_protects_nothing():
+    tier = HostKVTier(4)
+    for i in range(30):
+        tier.save(i, _key(i), "hoarder", retention_s=86400)
+        tier.save(100 + i, _key(100 + i), "other")
+    assert tier.used_by("hoarder") == tier.used_by("other") == 2
+
+
 # -- in the engine --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -188,3 +214,20 @@ def test_a_restarted_engine_starts_with_empty_tiers(tiny_model_dir, conversation
     assert restarted.snapshot()["kv_host_blocks_used"] == 0
     outs, cached = _round(restarted, conversations, "a")
     assert outs == expected and cached == [0] * 6
+
+
+@pytest.mark.parametrize("retention_s", [86400.0, 0.0])
+def test_a_prompt_asked_to_be_kept_outlasts_the_tenants_other_traffic(
+        tiny_model_dir, conversations, retention_s):
+    engine = _engine(tiny_model_dir, host_mib=0.25)  # room for a few prefixes
+    kept = request("kept", conversations[0], tenant="t", salt="t", max_tokens=2,
+                   ignore_eos=True)
+    kept.cache_retention_s = retention_s
+    engine.add_request(kept)
+    drain(engine)
+    for round_ in range(3):  # its other prompts, many times the tier's size
+        _round(engine, conversations[1:], f"other{round_}", tenant=lambda i: "t")
+    engine.add_request(request("again", conversations[0], tenant="t", salt="t", max_tokens=2,
+                               ignore_eos=True))
+    cached = drain(engine)["again"][-1].usage.cached_tokens
+    assert cached == 96 if retention_s else cached < 96

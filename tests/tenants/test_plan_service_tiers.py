@@ -94,3 +94,16 @@ def test_a_principal_cached_before_tiers_existed_reads_as_the_default_plans():
     decoded = Principal.decode(older)
     assert (decoded.service_tiers, decoded.default_service_tier, decoded.fair_weight) == \
         (("default", "flex"), "default", 1.0)
+
+
+def test_extended_prompt_caching_is_off_until_an_operator_sells_it(operator):
+    r = operator.post("/api/v1/plans", PLAN, format="json")
+    assert r.status_code == 201 and r.json()["extended_prompt_cache"] is False
+    key = key_factory(tenant_factory(plan=Plan.objects.get(slug="fast-lane")))
+    assert _principal(key.plaintext).extended_prompt_cache is False
+    r = operator.patch("/api/v1/plans/fast-lane", {"extended_prompt_cache": True}, format="json")
+    assert r.status_code == 200 and r.json()["extended_prompt_cache"] is True
+    assert _principal(key.plaintext).extended_prompt_cache is True
+    event = AuditEvent.objects.filter(action="plan.update").latest("id")
+    assert event.before["extended_prompt_cache"] is False and event.after[
+        "extended_prompt_cache"] is True

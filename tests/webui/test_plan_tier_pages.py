@@ -44,6 +44,13 @@ def test_an_operator_creates_a_plan_that_sells_priority_and_sees_it_listed(world
     page = client.get(reverse("webui:op-plans")).content.decode()
     listed = re.search(r'premium</span>\s*<div[^>]*data-field="tiers">(.*?)</div>', page, re.S)
     assert re.sub(r"<[^>]+>", "", listed.group(1)) == "default, flex, priority · weight 2.5"
+    assert plan.extended_prompt_cache is False
+    client.post(reverse("webui:op-plan", args=["premium"]),
+                {"name": "Premium", **LIMITS, "extended_prompt_cache": "on"})
+    plan.refresh_from_db()
+    assert plan.extended_prompt_cache is True
+    page = client.get(reverse("webui:op-plans")).content.decode()
+    assert "weight 2.5 · prompt cache 24h" in re.sub(r"<[^>]+>", "", page)
 
 
 def test_a_plan_left_without_tiers_gets_default_and_flex_and_keeps_them_when_edited(world):

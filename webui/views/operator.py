@@ -195,6 +195,7 @@ def plan(request: HttpRequest, plan_slug: str) -> HttpResponse:
                "service_tiers": found.service_tiers,
                "default_service_tier": found.default_service_tier,
                "fair_weight": found.fair_weight,
+               "extended_prompt_cache": found.extended_prompt_cache,
                **{f: getattr(found, f) for f in PLAN_LIMIT_FIELDS}}
     form = forms.PlanUpdateForm(request.POST or None, initial=initial)
     if request.method == "POST":
