@@ -30,7 +30,7 @@ from billing.models import (
     WebhookDelivery,
     WebhookEndpoint,
 )
-from billing.money import allocate_cents, from_micros, to_micro
+from billing.money import PER, allocate_cents, from_micros, to_micro
 from billing.periods import day_start, period_after, period_of
 from core.errors import NotFound
 from core.redis import sync_client
@@ -100,6 +100,26 @@ class UsageBucket:
     start: datetime
     end: datetime
     results: list[UsageResult] = field(default_factory=list)
+
+
+def cache_savings(*, tenant, start: date, end: date) -> Decimal:
+    """What the tenant's prompt tokens served from the prefix cache saved over the UTC days
+    ``[start, end)``: each at its price's input rate less its cached-input rate, in the price
+    class it ran in (the base price and the adapter's surcharge alike)."""
+    rows = list(UsageRollup.objects.for_tenant(tenant)
+                .filter(day__gte=start, day__lt=end, cached_tokens__gt=0)
+                .values("price_ref", "surcharge_ref", "price_class")
+                .annotate(cached=Sum("cached_tokens")))
+    prices = Price.objects.in_bulk({r[k] for r in rows for k in ("price_ref", "surcharge_ref")
+                                    if r[k]})
+    saved = Decimal(0)
+    for row in rows:
+        for price in filter(None, (prices.get(row["price_ref"]),
+                                   prices.get(row["surcharge_ref"]))):
+            rate = price.per_million("input_per_million", row["price_class"]) \
+                - price.per_million("cached_input_per_million", row["price_class"])
+            saved += Decimal(row["cached"]) * rate / PER
+    return saved.quantize(Decimal("0.000001"))
 
 
 def usage_buckets(*, tenant, query: UsageQuery) -> list[UsageBucket]:

@@ -70,10 +70,17 @@ class UsageReport:
     by_model: list[UsageGroup] = field(default_factory=list)
     by_adapter: list[UsageGroup] = field(default_factory=list)
     by_key: list[UsageGroup] = field(default_factory=list)
+    cache_savings: Decimal = Decimal(0)  # what its cached prompt tokens saved
 
     @property
     def last_day(self) -> date:
         return self.end - timedelta(days=1)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache (either tier), of all."""
+        totals = self.totals
+        return totals.cached_tokens / totals.input_tokens if totals.input_tokens else 0.0
 
 
 def _query(tenant: Tenant, start: date, end: date,
@@ -143,7 +150,8 @@ def usage_report(*, tenant: Tenant, days: int, end: date | None = None) -> Usage
         by_model=_ranked(_grouped(tenant, start, stop, "model"), lambda m: (m, "")),
         by_adapter=_ranked(_grouped(tenant, start, stop, "adapter"),
                            lambda a: (a or "(base model)", "")),
-        by_key=_ranked(_grouped(tenant, start, stop, "api_key_id"), key_label))
+        by_key=_ranked(_grouped(tenant, start, stop, "api_key_id"), key_label),
+        cache_savings=billing.cache_savings(tenant=tenant, start=start, end=stop))
 
 
 # --- overview ------------------------------------------------------------------------------
