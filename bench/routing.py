@@ -141,17 +141,21 @@ class Fleet:
 class Reader(threading.Thread):
     """Reads every open request's events: its engine, its first token's time, its usage."""
 
-    def __init__(self, client: redis.Redis, router: Router) -> None:
+    def __init__(self, client: redis.Redis, routers: list[Router]) -> None:
         super().__init__(daemon=True)
         self.client = client
-        self.router = router  # told when a request starts, as the web tier's dispatch does
+        # Each told when a request it placed starts, as the web tier's dispatch does.
+        self.routers = routers
+        self.placed_by: dict[str, Router] = {}
         self.sent: dict[str, Sent] = {}
         self.lock = threading.Lock()
         self.done = threading.Event()
 
-    def add(self, request: protocol.EngineRequest, placement: Placement) -> None:
+    def add(self, request: protocol.EngineRequest, placement: Placement,
+            router: Router) -> None:
         with self.lock:
             self.sent[request.request_id] = Sent(request, placement, time.monotonic())
+            self.placed_by[request.request_id] = router
 
     def run(self) -> None:
         last: dict[str, bytes] = {}
@@ -180,7 +184,8 @@ class Reader(threading.Thread):
             record.first = now - record.at
         if event.type == protocol.EV_DELTA or event.is_final:
             with self.lock:
-                self.router.started(record.placement, record.request.request_id)
+                self.placed_by[record.request.request_id].started(record.placement,
+                                                                  record.request.request_id)
         if event.is_final:
             record.usage = event.data.get("usage") or {"error": True}
         return event.is_final
@@ -188,9 +193,14 @@ class Reader(threading.Thread):
 
 def run(policy: str, fleet: Fleet, plan: list[tuple[float, dict]],
         hashes: list[str]) -> dict:
+    """``policy``: random, scored, or scored+key (scored, each request naming its cached
+    prefix, the tenant's system prompt under its adapter, in ``prompt_cache_key``, which
+    the web tier passes to placement as the session)."""
     fleet.start()
-    client, router = fleet.client, Router()
-    reader = Reader(client, router)
+    client = fleet.client
+    # One router per web process: each knows only what it placed itself.
+    routers = [Router() for _ in range(fleet.args.web_processes)]
+    reader = Reader(client, routers)
     sent = reader.sent
     reader.start()
     beats, read_at = fleet.beats(), time.monotonic()
@@ -206,9 +216,12 @@ def run(policy: str, fleet: Fleet, plan: list[tuple[float, dict]],
             adapter_hash=hashes[int(parts["adapter"].rsplit("-", 1)[1])],
             sampling=protocol.SamplingSpec(max_tokens=OUTPUT, temperature=0.0,
                                            ignore_eos=True))
+        router = routers[i % len(routers)]
         with reader.lock:  # the reader thread tells the router what started
-            placement = router.place(request, beats, policy=policy)
-        reader.add(request, placement)
+            placement = router.place(request, beats, policy=policy.split("+")[0],
+                                     session=f"system-{tenant}-{parts['adapter']}"
+                                     if "+key" in policy else None)
+        reader.add(request, placement, router)
         client.xadd(placement.stream, request.encode())
     deadline = time.monotonic() + 120
     while any(not s.usage for s in sent.values()) and time.monotonic() < deadline:
@@ -247,6 +260,11 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=1200)
     parser.add_argument("--max-cpu-loras", type=int, default=3)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/9")
+    parser.add_argument("--web-processes", type=int, default=1,
+                        help="routers placing the requests in turn (web processes)")
+    parser.add_argument("--prompt-cache-key", action="store_true",
+                        help="also run scored placement with each tenant's prompt_cache_key "
+                             "(writes routing_key.json)")
     args = parser.parse_args()
 
     from bench.lora_throughput import make_adapters
@@ -262,9 +280,11 @@ def main() -> None:
     plan = trace(args, vocab, [f"adapter-{i}" for i in range(ADAPTERS)])
     fleet = Fleet(args, model_dir, store.root)
     runs: dict[str, list[dict]] = {"scored": [], "random": []}
+    if args.prompt_cache_key:
+        runs["scored+key"] = []
     try:
         for round_ in range(args.rounds):
-            order = ("random", "scored") if round_ % 2 == 0 else ("scored", "random")
+            order = list(runs) if round_ % 2 == 0 else list(runs)[::-1]
             for policy in order:
                 runs[policy].append(run(policy, fleet, plan, hashes))
                 print(json.dumps(runs[policy][-1]), flush=True)
@@ -297,9 +317,16 @@ def main() -> None:
         result["prefix_hit_rate_routed"] / max(result["prefix_hit_rate_random"], 1e-9), 2)
     result["ttft_p95_reduction"] = round(
         1 - result["ttft_p95_routed_s"] / result["ttft_p95_random_s"], 3)
-    default = parser.get_default("kv_blocks")
-    path = write_result("routing" if args.kv_blocks == default else
-                        f"routing_kv{args.kv_blocks}", result)
+    result["web_processes"] = args.web_processes
+    name = "routing" if args.kv_blocks == parser.get_default("kv_blocks") else \
+        f"routing_kv{args.kv_blocks}"
+    if args.prompt_cache_key:
+        name = "routing_key"
+        result["prefix_hit_rate_key"] = median("scored+key", "prefix_hit_rate")
+        result["ttft_p50_key_s"] = median("scored+key", "ttft_p50_s")
+        result["second_half"]["prefix_hit_rate_key"] = median("scored+key",
+                                                              "prefix_hit_rate", "second_half")
+    path = write_result(name, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     print(f"wrote {path}")
 
