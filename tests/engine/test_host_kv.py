@@ -12,6 +12,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.host_kv import LOAD, SAVE, HostKVTier
 from engine.llm_engine import LLMEngine
+from engine.metrics import render_prometheus
 from tests.engine.test_llm_engine import drain, request, tokens
 
 MAX_NEW = 12
@@ -139,6 +140,13 @@ def test_a_restored_prefix_gives_the_same_greedy_output_as_computing_it(
     snap = engine.snapshot()
     assert snap["external_prefix_cache_hits"] >= 4 * 96 and snap["kv_host_loads"] >= 4 * 6
     assert snap["kv_host_saves"] > 0 and snap["kv_host_blocks_used"] > 0
+    text = render_prometheus(snap, model_name="tiny", engine="e1")
+    loaded = snap["external_prefix_cache_hits"]
+    assert f'vllm:external_prefix_cache_hits_total{{engine="e1",model_name="tiny"}} ' \
+        f'{float(loaded)}' in text
+    assert "# TYPE atrium_engine_kv_host_blocks_used gauge" in text
+    assert 'atrium_engine_step_phase_seconds_total{engine="e1",model_name="tiny",' \
+        'phase="kv_host"}' in text
 
     # Without the host tier, the same pool recomputes what it evicted.
     plain = _engine(tiny_model_dir, host_mib=0)
