@@ -122,6 +122,7 @@ _.x_labels
 _.ttft_p95_s
 _.itl_p95_s
 _.ttft_p99_s  # the health page's tiers (webui/health.py TierHealth)
+_.cache_hit_rate  # the usage page's prompt cache (webui/selectors.py UsageReport)
 _.queue_p99_s
 _.objective
 _.input_price
@@ -228,3 +229,5 @@ _.render_prometheus
 _.slots_held
 _.spend_get
 _.wait_written
+_.holds  # engine/host_kv.py: what the host tier holds, by hash and by tenant
+_.used_by
