@@ -1,11 +1,14 @@
-"""The pool of physical KV blocks: reference counts, a free queue, and the prefix-cache index.
+"""The pool of physical KV blocks: reference counts, the free blocks, and the prefix-cache index.
 
 Plain Python, no tensors: a block here is only an id into the runner's KV tensors.
 
-A block with no reference sits in the free queue, oldest release first. If it holds a
-full, hashed block of some prompt it also stays in the cache index until it is
-handed out again, so a later request with the same prefix can take it back: the
-free queue is therefore also the least-recently-used eviction order.
+A block with no reference is free. If it holds a full, hashed block of some prompt it also
+stays in the cache index until it is handed out again, so a later request with the same
+prefix can take it back. Handing out picks, first, a free block that caches nothing; then
+a cached one, evicting it: the least recently released of the tenant whose cached blocks
+most exceed its share (its weight over the weights of the tenants with cached blocks), so a
+tenant cycling through many prompts evicts its own blocks, not another tenant's cached
+prefix. Within a tenant, eviction is least recently released first.
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
-        # NOTE: holds exactly the blocks with ref_cnt == 0, least recently released first.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # NOTE: together they hold exactly the blocks with ref_cnt == 0, each least recently
+        # released first: those that cache nothing, and the cached ones by owner.
+        self._plain: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._kept: dict[str, OrderedDict[int, KVBlock]] = {}
+        self._num_free = num_blocks
         self._cached: dict[bytes, KVBlock] = {}
+        self._held: dict[str, int] = {}  # cached blocks by owner, in use or free
+        self._weights: dict[str, float] = {}
         self.on_evict: EvictionHook | None = None
 
     @property
@@ -50,23 +58,35 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now, cached-but-unused ones included."""
-        return len(self._free)
+        return self._num_free
 
     def allocate(self, n: int) -> list[KVBlock]:
         """``n`` blocks, each with one reference; evicts cached blocks as needed."""
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
+        if n > self._num_free:
+            raise MemoryError(f"asked for {n} KV blocks, {self._num_free} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = self._take_one()
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 if self.on_evict is not None:
                     self.on_evict(block.block_id, block.block_hash, *block.owner)
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                self._unindex(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def _take_one(self) -> KVBlock:
+        if self._plain:
+            _, block = self._plain.popitem(last=False)
+        else:
+            # NOTE: at an even ratio the tenant holding more gives a block up.
+            tenant = max(self._kept, key=lambda t: (self._held[t] / self._weights[t],
+                                                    self._held[t]))
+            _, block = self._kept[tenant].popitem(last=False)
+            if not self._kept[tenant]:
+                del self._kept[tenant]
+        self._num_free -= 1
+        return block
 
     def cached_keys(self) -> list[bytes]:
         """The keys of every block in the cache index (the heartbeat's prefix summary)."""
@@ -76,14 +96,15 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
-        """Takes a reference on blocks found in the cache (out of the free queue if unused)."""
+        """Takes a reference on blocks found in the cache (no longer free if unused)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                self._unfree(block)
             block.ref_cnt += 1
 
     def release(self, blocks: Sequence[KVBlock]) -> None:
-        """Drops one reference each; the last one puts the block at the back of the free queue.
+        """Drops one reference each; the last one frees the block, as the most recently
+        released.
 
         Callers pass a sequence's blocks tail first, so a prompt's last blocks are evicted
         before its first ones, which more requests share.
@@ -91,7 +112,7 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                self._free(block)
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"KV block {block.block_id} released more than taken")
 
@@ -104,17 +125,55 @@ class BlockPool:
         """
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return
+        free = block.ref_cnt == 0
+        if free:
+            self._unfree(block)
         block.block_hash = block_hash
         block.owner = owner
         self._cached[block_hash] = block
+        self._held[owner[0]] = self._held.get(owner[0], 0) + 1
+        self._weights[owner[0]] = owner[1]
+        if free:
+            self._free(block)
 
     def uncache(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            del self._cached[block.block_hash]
-            block.block_hash = None
+        if block.block_hash is None:
+            return
+        free = block.ref_cnt == 0
+        if free:
+            self._unfree(block)
+        self._unindex(block)
+        if free:
+            self._free(block)
 
     def reset_cache(self) -> None:
         """Forgets every cached block (content stays; the index goes)."""
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
+        for block in list(self._cached.values()):
+            self.uncache(block)
+
+    def _unindex(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        tenant = block.owner[0]
+        self._held[tenant] -= 1
+        if not self._held[tenant]:
+            del self._held[tenant]
+            self._weights.pop(tenant, None)
+
+    def _free(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            self._plain[block.block_id] = block
+        else:
+            self._kept.setdefault(block.owner[0], OrderedDict())[block.block_id] = block
+        self._num_free += 1
+
+    def _unfree(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            del self._plain[block.block_id]
+        else:
+            kept = self._kept[block.owner[0]]
+            del kept[block.block_id]
+            if not kept:
+                del self._kept[block.owner[0]]
+        self._num_free -= 1

@@ -77,3 +77,34 @@ def test_an_equal_block_is_indexed_once():
     pool.cache(a, b"same")
     pool.cache(b, b"same")
     assert pool.lookup(b"same") is a and b.block_hash is None
+
+
+def test_a_free_block_that_caches_nothing_is_handed_out_before_a_cached_one():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, b"a")
+    pool.release([a, b])  # a, cached, was released first
+    assert pool.allocate(1) == [b] and pool.lookup(b"a") is a
+
+
+def _cycle(pool: BlockPool, tenant: str, weight: float, prompts: int) -> None:
+    """A tenant's prompts of one block each, cached and released one after another."""
+    for i in range(prompts):
+        (block,) = pool.allocate(1)
+        pool.cache(block, f"{tenant}{i}".encode(), (tenant, weight, 0.0))
+        pool.release([block])
+
+
+@pytest.mark.parametrize(("weight", "kept"), [(1.0, 4), (4.0, 2)])
+def test_a_flooding_tenant_evicts_its_own_cached_blocks_not_anothers_share(weight, kept):
+    pool = BlockPool(10)
+    quiet = pool.allocate(4)
+    for i, block in enumerate(quiet):
+        pool.cache(block, b"quiet%d" % i, ("quiet", 1.0, 0.0))
+    pool.release(quiet)  # the oldest releases in the pool
+    _cycle(pool, "flood", weight, 100)
+    # Its share is half the pool at an even weight: its 4 blocks stay; a flood weighed 4
+    # to its 1 has four fifths, and takes it down to 2 (its least recently released go).
+    assert [pool.lookup(b"quiet%d" % i) is not None for i in range(4)] == \
+        [False] * (4 - kept) + [True] * kept
+    assert len(pool.cached_keys()) == 10 and pool.num_free == 10

@@ -214,6 +214,17 @@ def test_restores_compose_with_preemption_and_speculation(tiny_model_dir, conver
         else snap["preemptions"] > 0
 
 
+def test_the_pool_keeps_a_tenants_prefix_while_another_cycles_through_prompts(
+        tiny_model_dir, conversations, expected):
+    """The first tier is fair too: without a host tier, a tenant whose prompt fits its share
+    of the pool finds it again after another tenant's five long prompts."""
+    engine = _engine(tiny_model_dir, host_mib=0, num_kv_blocks=24)
+    first, _ = _round(engine, conversations[:1], "a", tenant=lambda i: "quiet")
+    _round(engine, conversations[1:], "flood", tenant=lambda i: "flood")
+    again, cached = _round(engine, conversations[:1], "b", tenant=lambda i: "quiet")
+    assert cached == [96] and again == first == expected[:1]
+
+
 def test_a_restarted_engine_starts_with_empty_tiers(tiny_model_dir, conversations, expected):
     engine = _engine(tiny_model_dir)
     _round(engine, conversations, "a")
