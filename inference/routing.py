@@ -12,9 +12,10 @@ what the request would cost there, in prompt tokens to compute:
 - the requests ahead of it (waiting there, queued unread in its stream, and those
   this process sent it since its last heartbeat and has not seen start) and those
   running beside it;
-- a conversation's own engine (the ``user`` field or an ``x-session-id`` header,
-  by rendezvous hashing over the live engines) costs less, so one conversation stays
-  where its history is cached while that engine is not far busier.
+- a conversation's own engine (an ``x-session-id`` header, ``prompt_cache_key`` or the
+  ``user`` field, by rendezvous hashing over the live engines that hold its adapter, or
+  over all where none does) costs less, so one conversation stays where its history is
+  cached while that engine is not far busier.
 
 The cheapest engine with a free seat gets the request on its own stream. When none has
 one (each holds as many requests as it runs and queues, by its heartbeat and what this
@@ -114,7 +115,8 @@ class Router:
         scope = cache_scope(request.tenant_id, request.cache_salt,
                             request.adapter_hash or request.adapter)
         keys: dict[int, list[bytes]] = {}  # block size -> the prompt's keys
-        home = _session_engine(request.tenant_id, session, beats) if session else None
+        home = _session_engine(request.tenant_id, session, _holding(request, beats)) \
+            if session else None
         best: tuple[float, protocol.EngineHeartbeat, int, str] | None = None
         for beat in beats:
             cached = 0
@@ -215,6 +217,17 @@ def _leading(keys: list[bytes], placed: OrderedDict[bytes, None] | None) -> int:
         if key not in placed:
             return i
     return len(keys)
+
+
+def _holding(request: protocol.EngineRequest, beats: list[protocol.EngineHeartbeat]
+             ) -> list[protocol.EngineHeartbeat]:
+    """The engines a conversation's home is chosen among: those holding its adapter in
+    memory, where any does (a home that must load it would cost a load on every engine a
+    tenant's conversations hash to); else all."""
+    if not request.adapter_hash:
+        return beats
+    return [b for b in beats if request.adapter_hash in (b.placement.get("adapters") or ())] \
+        or beats
 
 
 def _session_engine(tenant_id: str, session: str,

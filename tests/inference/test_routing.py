@@ -125,6 +125,18 @@ def test_a_session_stays_on_its_engine_across_web_processes_and_sessions_spread(
     assert others == {True, False}
 
 
+def test_a_sessions_engine_is_one_that_holds_its_adapter_where_any_does():
+    beats = [_beat("e1"), _beat("e2", adapters=["sql"]), _beat("e3", adapters=["sql"])]
+    homes = collections.Counter(
+        Router().place(_request(prompt=[1, 2, 3], adapter="sql", adapter_hash="sql"), beats,
+                       session=f"conversation-{i}").engine_id for i in range(30))
+    assert set(homes) == {"e2", "e3"}  # spread over the two that hold it, never a load
+    # An adapter no engine holds: every engine may be home, as for the base model.
+    homes = {Router().place(_request(prompt=[1, 2, 3], adapter="new", adapter_hash="new"),
+                            beats, session=f"conversation-{i}").engine_id for i in range(30)}
+    assert homes == {"e1", "e2", "e3"}
+
+
 def test_when_no_engine_has_a_free_seat_the_request_waits_on_the_shared_stream():
     request = _request()
     router = Router()
