@@ -67,17 +67,20 @@ def request(rid: str, tenant: str, prompt: list[int], output: int) -> protocol.E
 
 def run_closed(engine, jobs: list[tuple[str, list[int], int]], in_flight: int) -> list[dict]:
     """Runs ``jobs`` (tenant, prompt, output tokens) in order, ``in_flight`` at a time; each
-    one's TTFT, its cached tokens, and whether the pool held its prefix when it arrived."""
+    one's TTFT, its cached tokens, and whether the pool held its whole prefix when it
+    arrived."""
     pending, running, done = list(reversed(jobs)), {}, []
     while pending or running:
         while pending and len(running) < in_flight:
             tenant, prompt, output = pending.pop()
             rid = f"{tenant}-{len(done) + len(running)}-{random.random():.6f}"
-            first = prompt_keys(prompt, BLOCK, cache_scope(tenant, tenant, None), limit=1)
+            keys = prompt_keys(prompt, BLOCK, cache_scope(tenant, tenant, None))
+            # NOTE: whole: the pool evicts a tenant's blocks from a prompt's tail, so its
+            # first blocks may stay while the rest of its prefix is gone.
             running[rid] = {"tenant": tenant, "prompt_tokens": len(prompt),
-                            "in_pool": bool(first) and engine.kv.pool.lookup(first[0])
-                            is not None, "arrived": time.monotonic(), "ttft": None,
-                            "tokens": 0}
+                            "in_pool": bool(keys) and all(engine.kv.pool.lookup(k)
+                                                          for k in keys),
+                            "arrived": time.monotonic(), "ttft": None, "tokens": 0}
             engine.add_request(request(rid, tenant, prompt, output))
         for out in engine.step():
             job = running[out.request_id]
