@@ -51,6 +51,8 @@ class AdapterLifecycle:
         self._loading: dict[str, list[Sequence]] = {}  # adapter hash -> sequences waiting
         self._adapter_of: dict[str, str] = {}  # request id -> adapter hash, until it ends
         self.names: dict[str, str] = {}  # adapter hash -> the name requests call it by
+        # Requests whose adapter was in host memory when they arrived, and those it was not.
+        self.host_hits = self.host_misses = 0
 
     # -- what the engine asks ---------------------------------------------------------------
 
@@ -78,7 +80,9 @@ class AdapterLifecycle:
         self.cache.retain(adapter_hash)
         self._adapter_of[seq.request_id] = adapter_hash
         if adapter_hash in self:
+            self.host_hits += 1
             return True
+        self.host_misses += 1
         self._loading.setdefault(adapter_hash, []).append(seq)
         return False
 

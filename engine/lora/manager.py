@@ -6,14 +6,15 @@ the maximum rank R, the per-slot scalings ``[slots, slices]`` and ranks ``[slots
 ``apply`` adds the LoRA term of every adapter row of a step to a projection's output
 with one SGMV shrink and one expand (Triton, on CUDA).
 
-On CPU the manager keeps a second, compact copy of each slot: ``A [slices * rank, in]``
-at the adapter's own rank and ``B`` as one block-diagonal ``[slices * rank, out]`` with
-the scalings folded in, so each segment costs two matmuls whatever the slice count.
-With several segments of similar length (a decode step over a few adapters), the step
-instead pads the segments to one length and runs two batched matmuls over them, with
-the slots' compact weights stacked once per set of slots and reused while the set
-lasts: the cost no longer grows with one small matmul per segment. That is the engine's
-CPU path; the SGMV references stay the kernels' oracle.
+On CPU the manager keeps a second, compact copy of the slots, rank-major so that a
+slot's first ``slices * rank`` columns are its whole adapter: ``A [slots, in, slices * R]``
+and ``B [slots, slices * R, out]``, block-diagonal over the slices with the scalings
+folded in, so any set of rows costs two matmuls whatever the slice count. A step's plan
+(``CpuPlan``) runs one-row segments (a decode over many adapters) by slot, as two batched
+matmuls over the slots' weights where they lie; similar short segments (a decode over a
+few adapters) padded into two batched matmuls over their slots' weights stacked, kept
+while the set of slots lasts; and long ones (prompt chunks) one by one. That is the
+engine's CPU path; the SGMV references stay the kernels' oracle.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 
 class _Stack:
     def __init__(self, slots: int, modules: tuple[str, ...], shapes: dict[str, tuple[int, int]],
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device, compact: bool) -> None:
         in_features = shapes[modules[0]][0]
         self.offsets = [0]
         for name in modules:
@@ -48,44 +49,67 @@ class _Stack:
                              device=device)
         self.b = torch.zeros(slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
         self.scales = torch.zeros(slots, len(modules), dtype=torch.float32, device=device)
-        # The CPU path's compact copies, per slot (see the module docstring).
-        self.dense: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
+        # The CPU path's compact copies (see the module docstring): per slot, A [in, W] at
+        # W = slices * max_rank, rank-major (column j * slices + s is rank j of slice s), so
+        # the first slices * rank columns are a rank-``rank`` adapter's whole A; and B
+        # [W, out], block-diagonal over the slices with the scaling in it, so all slices take
+        # one matmul. A slot's own width is slices * its rank.
+        self.slices = len(modules)
+        width = self.slices * max_rank if compact else 0
+        self.ua = torch.zeros(slots, in_features, width, dtype=dtype, device=device)
+        self.ub = torch.zeros(slots, width, self.offsets[-1], dtype=dtype, device=device)
+        self.widths = [0] * slots
         # The compact copies of a tuple of slots stacked for batched matmuls:
-        # (A [n, in, R], B [n, R, out]) with R the largest slices * rank among them.
+        # (A [n, in, W], B [n, W, out]) with W the largest width among them.
         self.stacked: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def compact(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        width = self.widths[slot]
+        return self.ua[slot, :, :width], self.ub[slot, :width]
 
     def stacked_for(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         found = self.stacked.get(slots)
         if found is None:
             if len(self.stacked) >= _STACKS_KEPT:
                 self.stacked.pop(next(iter(self.stacked)))
-            width = max(self.dense[s][0].shape[0] for s in slots)
-            a0, b0 = self.dense[slots[0]]
-            a = torch.zeros(len(slots), a0.shape[1], width, dtype=a0.dtype, device=a0.device)
-            b = torch.zeros(len(slots), width, b0.shape[1], dtype=b0.dtype, device=b0.device)
-            for i, slot in enumerate(slots):
-                da, db = self.dense[slot]
-                a[i, :, :da.shape[0]] = da.T
-                b[i, :db.shape[0]] = db
-            found = self.stacked[slots] = (a, b)
+            width = max(self.widths[s] for s in slots)
+            index = torch.tensor(slots, device=self.ua.device)
+            found = self.stacked[slots] = (self.ua[:, :, :width].index_select(0, index),
+                                           self.ub[:, :width].index_select(0, index))
         return found
+
+    def by_slot(self, placed: torch.Tensor, reach: int) -> torch.Tensor:
+        """The LoRA term of rows placed [reach, 1, in] at their slots' places."""
+        width = max(self.widths[:reach])
+        return torch.bmm(torch.bmm(placed, self.ua[:reach, :, :width]), self.ub[:reach, :width])
 
 
 # Sets of slots whose stacked weights a projection keeps (a decode batch keeps one set
 # for many steps; a few cover the sets that alternate as requests come and go).
 _STACKS_KEPT = 4
-# The batched CPU path runs when a step has at least this many segments and padding
-# them to the longest adds at most as many rows again.
+# A batched group runs when at least this many segments form it.
 _BATCH_FROM_SEGMENTS = 3
 
 
 @dataclass(slots=True)
 class CpuPlan:
-    """How one step's segments run on the CPU path, worked out once for all layers."""
+    """How one step's segments run on the CPU path, worked out once for all layers.
 
-    segments: list[tuple[int, int, int]]  # (start, length, slot)
-    slots: tuple[int, ...] = ()  # batched: the segments' slots, in order
-    length: int = 0  # batched: rows per padded segment
+    - One-row segments (decodes of adapters with one running request, the many-adapter
+      case) run by slot: each row goes to its slot's place in a [slots, in] block and two
+      batched matmuls run over the slots' weights where they lie, unused slots up to the
+      highest one included (no copy of the weights); when that reach is more than twice
+      the rows, they join the next group instead.
+    - The shortest of the other segments (a few adapters' decode rows) are padded to the
+      longest of them and run as two batched matmuls over their slots' weights stacked
+      (kept while the set of slots lasts), as long as the padding at most doubles the rows.
+    - The rest (prompt chunks) run one by one, each two matmuls.
+    """
+
+    segments: list[tuple[int, int, int]]  # run one by one: (start, length, slot)
+    by_slot: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (rows, their slots, reach)
+    slots: tuple[int, ...] = ()  # padded: the segments' slots, in row order
+    length: int = 0  # padded: rows per padded segment
     gather: torch.Tensor | None = None  # [segments * length] rows of x (pads repeat a row)
     rows: torch.Tensor | None = None  # the real rows among them, where results are added
     real: torch.Tensor | None = None  # positions of the real rows in the padded layout
@@ -93,35 +117,61 @@ class CpuPlan:
     @classmethod
     def of(cls, seg: Segments) -> CpuPlan:
         segments = seg.as_list()
-        plan = cls(segments)
-        if len(segments) < _BATCH_FROM_SEGMENTS:
+        device = seg.starts.device
+        plan = cls([])
+        singles, seen = [], set()
+        for start, n, slot in segments:
+            if n == 1 and slot not in seen:
+                singles.append((start, slot))
+                seen.add(slot)
+        reach = max(seen, default=-1) + 1
+        if len(singles) >= _BATCH_FROM_SEGMENTS and reach <= 2 * len(singles):
+            plan.by_slot = (torch.tensor([r for r, _ in singles], device=device),
+                            torch.tensor([s for _, s in singles], device=device), reach)
+            placed = {r for r, _ in singles}
+            segments = [s for s in segments if s[1] != 1 or s[0] not in placed]
+        by_length = sorted(segments, key=lambda s: s[1])
+        count = total = 0
+        for i, (_, n, _) in enumerate(by_length):
+            if n * (i + 1) > 2 * (total + n):
+                break
+            count, total = i + 1, total + n
+        if count < _BATCH_FROM_SEGMENTS:
+            plan.segments = segments
             return plan
-        length = max(n for _, n, _ in segments)
-        total = sum(n for _, n, _ in segments)
-        if length * len(segments) > 2 * total:
-            return plan  # one long prompt chunk among short rows: padding would dominate
+        batched = sorted(by_length[:count])
+        plan.segments = sorted(by_length[count:])
+        length = max(n for _, n, _ in batched)
+        plan.slots = tuple(slot for _, _, slot in batched)
+        plan.length = length
         gather, real = [], []
-        for i, (start, n, _) in enumerate(segments):
+        for i, (start, n, _) in enumerate(batched):
             gather += list(range(start, start + n)) + [start] * (length - n)
             real += range(i * length, i * length + n)
-        plan.slots = tuple(slot for _, _, slot in segments)
-        plan.length = length
-        plan.gather = torch.tensor(gather, device=seg.starts.device)
-        plan.rows = plan.gather[torch.tensor(real, device=seg.starts.device)]
-        plan.real = None if len(real) == len(gather) else torch.tensor(real,
-                                                                      device=seg.starts.device)
+        plan.gather = torch.tensor(gather, device=device)
+        plan.rows = plan.gather[torch.tensor(real, device=device)]
+        plan.real = None if len(real) == len(gather) else torch.tensor(real, device=device)
         return plan
 
 
-def apply_batched(x: torch.Tensor, y: torch.Tensor, plan: CpuPlan, a: torch.Tensor,
-                  b: torch.Tensor) -> None:
-    """y += the LoRA term of a batched plan's rows; a [n, in, R] and b [n, R, out] are the
-    plan's slots' compact weights, stacked."""
-    padded = x.index_select(0, plan.gather).view(len(plan.slots), plan.length, -1)
-    out = torch.bmm(torch.bmm(padded, a), b).view(-1, b.shape[2])
-    if plan.real is not None:
-        out = out.index_select(0, plan.real)
-    y.index_add_(0, plan.rows, out)
+def apply_cpu(x: torch.Tensor, y: torch.Tensor, plan: CpuPlan, stack: _Stack) -> None:
+    """y += the LoRA term of the plan's rows (see CpuPlan)."""
+    for start, length, slot in plan.segments:
+        a, b = stack.compact(slot)
+        rows = slice(start, start + length)
+        y[rows].addmm_(x[rows] @ a, b)  # [n, slices * rank] @ [.., out]
+    if plan.by_slot is not None:
+        rows, slots, reach = plan.by_slot
+        placed = x.new_zeros(reach, 1, x.shape[1])
+        placed[:, 0].index_copy_(0, slots, x.index_select(0, rows))
+        y.index_add_(0, rows, stack.by_slot(placed, reach).squeeze(1).index_select(0, slots))
+    if plan.gather is not None:
+        a, b = stack.stacked_for(plan.slots)
+        padded = x.index_select(0, plan.gather).view(len(plan.slots), plan.length, -1)
+        out = torch.bmm(torch.bmm(padded, a), b).view(-1, b.shape[2])
+        if plan.real is not None:
+            out = out.index_select(0, plan.real)
+        y.index_add_(0, plan.rows, out)
 
 
 class LoRAManager:
@@ -130,7 +180,8 @@ class LoRAManager:
         self.max_rank = max_rank
         self.use_triton = use_triton
         shapes = module_shapes(model)
-        self.stacks = [{proj: _Stack(num_slots, modules, shapes, max_rank, dtype, device)
+        self.stacks = [{proj: _Stack(num_slots, modules, shapes, max_rank, dtype, device,
+                                      not use_triton)
                         for proj, modules in PROJECTIONS.items()}
                        for _ in range(model.num_layers)]
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
@@ -146,8 +197,9 @@ class LoRAManager:
         r = self.max_rank
         for layer in self.stacks:
             for stack in layer.values():
-                # Stacks holding this slot's old weights are dropped (all: few, and cheap).
-                stack.stacked.clear()
+                # The stacks holding this slot's old weights are dropped.
+                for kept in [k for k in stack.stacked if slot in k]:
+                    del stack.stacked[kept]
                 stack.a[slot].zero_()
                 stack.b[slot].zero_()
                 stack.scales[slot].zero_()
@@ -161,18 +213,19 @@ class LoRAManager:
             stack.scales[slot, index] = weights.scaling
         self.ranks[slot] = adapter.rank
         if not self.use_triton:
-            rank = adapter.rank
             for layer in self.stacks:
                 for stack in layer.values():
-                    slices = stack.scales.shape[1]
-                    a = stack.a[slot].view(slices, r, -1)[:, :rank].reshape(slices * rank, -1)
-                    b = torch.zeros(slices * rank, stack.offsets[-1], dtype=stack.b.dtype,
-                                    device=stack.b.device)
-                    for s in range(slices):
-                        lo, hi = stack.offsets[s], stack.offsets[s + 1]
-                        b[s * rank:(s + 1) * rank, lo:hi] = \
-                            (stack.b[slot, lo:hi, :rank] * stack.scales[slot, s]).T
-                    stack.dense[slot] = (a.contiguous(), b)
+                    stack.ua[slot].zero_()
+                    stack.ub[slot].zero_()
+                    stack.widths[slot] = stack.slices * adapter.rank
+            for (layer, module), weights in adapter.modules.items():
+                proj, index = TARGETS[module]
+                stack = self.stacks[layer][proj]
+                rank = weights.a.shape[0]
+                stack.ua[slot, :, index::stack.slices][:, :rank] = weights.a.T
+                lo, hi = stack.offsets[index], stack.offsets[index + 1]
+                scaled = (weights.b * weights.scaling).T  # [rank, out of the slice]
+                stack.ub[slot, index::stack.slices][:rank, lo:hi] = scaled
         self.slot_hash[slot] = adapter.adapter_hash
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor,
@@ -180,14 +233,7 @@ class LoRAManager:
         """y [tokens, out] += the LoRA term of x [tokens, in] for every adapter row."""
         stack = self.stacks[layer][proj]
         if not self.use_triton:
-            plan = plan or CpuPlan.of(seg)
-            if plan.gather is None:
-                for start, length, slot in plan.segments:
-                    a, b = stack.dense[slot]
-                    rows = slice(start, start + length)
-                    y[rows].addmm_(x[rows] @ a.T, b)  # [n, slices * rank] @ [.., out]
-                return
-            apply_batched(x, y, plan, *stack.stacked_for(plan.slots))
+            apply_cpu(x, y, plan or CpuPlan.of(seg), stack)
             return
         buf = torch.empty(x.shape[0], stack.a.shape[1], dtype=torch.float32, device=x.device)
         shrink, expand = (sgmv_shrink, sgmv_expand) if self.use_triton \

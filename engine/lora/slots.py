@@ -22,6 +22,8 @@ class AdapterSlots:
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running sequences per adapter in a slot
         self.evictions = 0  # adapters moved out of their slot for another
+        # Sequences started whose adapter was in a slot already, and those it was copied for.
+        self.hits = self.misses = 0
         self._free = list(range(num_slots - 1, -1, -1))
         self._idle: OrderedDict[str, int] = OrderedDict()  # in a slot, unused: LRU first
         for adapter in pinned:
@@ -36,9 +38,12 @@ class AdapterSlots:
 
     def acquire(self, adapter: str) -> int | None:
         """The adapter's slot, taken for one more running sequence; None if every slot is busy."""
-        if adapter not in self.slot_of:
+        if adapter in self.slot_of:
+            self.hits += 1
+        else:
             if not self._free and not self._idle:
                 return None
+            self.misses += 1
             if not self._free:
                 evicted, slot = self._idle.popitem(last=False)
                 del self.slot_of[evicted]

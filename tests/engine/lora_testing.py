@@ -71,3 +71,42 @@ def peft_logits(base_dir: Path, adapter_dir: Path, prompt: list[int]) -> torch.T
     model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0].float()  # [positions, vocab]
+
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapter(base_dir: Path, out_dir: Path, *, seed: int, r: int = 16,
+                   lora_alpha: float | None = None) -> Path:
+    """A LoRA adapter with seeded random weights on all seven projections, written in PEFT's
+    layout directly (no model is loaded: a thousand take seconds, not an hour). Its B is not
+    zero, so its output differs from the base model's and from other seeds'."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (d_in, d_out) in shapes.items():
+            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
+                else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, d_in, generator=gen) / d_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r, generator=gen) / r ** 0.5 / 4
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
+        "lora_alpha": lora_alpha if lora_alpha is not None else 2 * r, "lora_dropout": 0.0,
+        "target_modules": list(ALL_TARGETS), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "base_model_name_or_path": str(base_dir)}, indent=1))
+    return out_dir

@@ -73,29 +73,45 @@ def test_both_cpu_paths_match_the_sgmv_reference(loaded, runs, proj, seed):
     assert torch.equal(planned[base_rows], base[base_rows])  # base-model rows untouched
 
 
-def test_even_segments_are_batched_and_a_long_chunk_among_short_rows_is_not():
+def test_how_a_plan_groups_segments():
     decode = Segments.from_row_slots([0, 0, 1, 1, 2, 2, 3])
     plan = CpuPlan.of(decode)
     assert plan.slots == (0, 1, 2, 3) and plan.length == 2
     assert plan.rows.tolist() == [0, 1, 2, 3, 4, 5, 6] and plan.real is not None
+    one_row_each = CpuPlan.of(Segments.from_row_slots([4, 0, 1, 5]))
+    rows, slots, reach = one_row_each.by_slot
+    assert rows.tolist() == [0, 1, 2, 3] and slots.tolist() == [4, 0, 1, 5] and reach == 6
+    assert not one_row_each.segments and one_row_each.gather is None
+    far_apart = CpuPlan.of(Segments.from_row_slots([0, 1, 5, 9]))  # would read 10 slots
+    assert far_apart.by_slot is None and far_apart.slots == (0, 1, 5, 9)
     prefill_among_decodes = Segments.from_row_slots([0] * 100 + [1, 2, 3])
-    assert CpuPlan.of(prefill_among_decodes).gather is None
+    plan = CpuPlan.of(prefill_among_decodes)  # the one-row ones by slot, the chunk alone
+    assert plan.by_slot[0].tolist() == [100, 101, 102] and plan.gather is None
+    assert plan.segments == [(0, 100, 0)]
     assert CpuPlan.of(Segments.from_row_slots([0, 1])).gather is None  # two: per segment
 
 
 def test_reloading_a_slot_drops_the_stacks_that_held_its_old_weights(loaded):
     cfg, manager = loaded
-    seg = Segments.from_row_slots([0, 1, 2, 3])
-    x = torch.randn(4, manager.stacks[0]["o"].a.shape[2])
-    before = torch.zeros(4, manager.stacks[0]["o"].offsets[-1])
-    manager.apply(0, "o", x, before, seg, CpuPlan.of(seg))
+    padded = Segments.from_row_slots([0, 0, 1, 1, 2, 2, 4, 4])  # slot 2: rows 4 and 5
+    single = Segments.from_row_slots([0, 1, 2, 4])  # by slot: the weights where they lie
+    x = torch.randn(8, manager.stacks[0]["o"].a.shape[2])
+    out_dim = manager.stacks[0]["o"].offsets[-1]
+
+    def run(seg, rows):
+        y = torch.zeros(rows, out_dim)
+        manager.apply(0, "o", x[:rows], y, seg, CpuPlan.of(seg))
+        return y
+
+    before, before_single = run(padded, 8), run(single, 4)
     assert manager.stacks[0]["o"].stacked  # kept for the next step
     # NOTE: runs last in this module: it replaces slot 2 of the shared manager.
     fan_in, fan_out = module_shapes(cfg)["o_proj"]
     manager.load_slot(2, LoRAAdapter(adapter_hash="zero-o", rank=4, modules={
         (0, "o_proj"): LoRAModule(torch.zeros(4, fan_in), torch.zeros(fan_out, 4), 1.0)}))
-    after = torch.zeros_like(before)
-    manager.apply(0, "o", x, after, seg, CpuPlan.of(seg))
-    assert torch.equal(after[2], torch.zeros_like(after[2]))  # the new, zero adapter
-    assert not torch.equal(before[2], after[2])
-    torch.testing.assert_close(after[[0, 1, 3]], before[[0, 1, 3]])
+    after, after_single = run(padded, 8), run(single, 4)
+    assert torch.equal(after[4:6], torch.zeros_like(after[4:6]))  # the new, zero adapter
+    assert torch.equal(after_single[2], torch.zeros_like(after_single[2]))
+    assert not torch.equal(before[4:6], after[4:6])
+    torch.testing.assert_close(after[[0, 1, 2, 3, 6, 7]], before[[0, 1, 2, 3, 6, 7]])
+    torch.testing.assert_close(after_single[[0, 1, 3]], before_single[[0, 1, 3]])
