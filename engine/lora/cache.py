@@ -2,8 +2,8 @@
 
 The engine asks for an adapter when a request names it; the load (read, check, convert)
 runs on a background thread so running decodes never wait for a disk. An adapter that
-some request still needs is never evicted; beyond ``capacity`` the least recently used
-of the others go.
+some request still needs is never evicted; beyond ``capacity`` the others go, the least
+recently used of the tenant furthest over its share first (engine/lora/shares.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from engine.lora.shares import Owner, fair_victim
 from engine.lora.store import AdapterStore
 from engine.metrics import ADAPTER_LOAD_BUCKETS_S, Histogram
 from engine.models.model_config import ModelConfig
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 class AdapterCache:
     def __init__(self, store: AdapterStore, model: ModelConfig, *, max_rank: int,
-                 dtype: torch.dtype, capacity: int) -> None:
+                 dtype: torch.dtype, capacity: int,
+                 owners: dict[str, Owner] | None = None) -> None:
         self.store = store
         self.model = model
         self.max_rank = max_rank
@@ -34,6 +36,7 @@ class AdapterCache:
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._pending: dict[str, Future[LoRAAdapter]] = {}
         self._refs: dict[str, int] = {}
+        self.owners = owners if owners is not None else {}  # adapter -> its tenant, weight
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
         # NOTE: written by the one loading thread (and at start, before it runs).
         self.load_seconds = Histogram(ADAPTER_LOAD_BUCKETS_S)
@@ -113,11 +116,12 @@ class AdapterCache:
                             adapter_hash=adapter_hash, dtype=self.dtype)
 
     def _evict(self) -> None:
-        for adapter_hash in list(self._loaded):
-            if len(self._loaded) <= self.capacity:
+        while len(self._loaded) > self.capacity:
+            victim = fair_victim((a for a in self._loaded if a not in self._refs),
+                                 self._loaded, self.owners)
+            if victim is None:
                 return
-            if adapter_hash not in self._refs:
-                del self._loaded[adapter_hash]
+            del self._loaded[victim]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

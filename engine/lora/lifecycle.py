@@ -39,12 +39,15 @@ class AdapterLifecycle:
     def __init__(self, store: AdapterStore, model_config: ModelConfig, *, max_rank: int,
                  dtype: torch.dtype, host_capacity: int, num_slots: int,
                  pinned: tuple[str, ...] = ()) -> None:
+        # Adapter -> the tenant whose request used it last, and its weight: whose share of
+        # host memory and of the slots it counts against (engine/lora/shares.py).
+        self.owners: dict[str, tuple[str, float]] = {}
         self.cache = AdapterCache(store, model_config, max_rank=max_rank, dtype=dtype,
-                                  capacity=host_capacity)
+                                  capacity=host_capacity, owners=self.owners)
         for adapter_hash in pinned:
             self.cache.load_now(adapter_hash)
             self.cache.retain(adapter_hash)
-        self.slots = AdapterSlots(num_slots, pinned=pinned)
+        self.slots = AdapterSlots(num_slots, pinned=pinned, owners=self.owners)
         if len(self.slots.pinned) == self.slots.num_slots:
             log.warning("pinned adapters fill all %d LoRA slots: requests for any other "
                         "adapter are refused", self.slots.num_slots)
@@ -77,6 +80,7 @@ class AdapterLifecycle:
         """Holds the sequence's adapter until it finishes; True when the adapter is in host
         memory already (the sequence may queue now), else it waits here for the load."""
         adapter_hash = seq.adapter_hash
+        self.owners[adapter_hash] = (seq.tenant_id, seq.fair_weight)
         self.cache.retain(adapter_hash)
         self._adapter_of[seq.request_id] = adapter_hash
         if adapter_hash in self:
@@ -152,6 +156,11 @@ class AdapterLifecycle:
                 adapter_hash = self._adapter_of.pop(out.request_id, None)
                 if adapter_hash is not None:
                     self.cache.release(adapter_hash)
+        if len(self.owners) > 2 * (self.cache.capacity + self.slots.num_slots):
+            # Forget the owners of adapters neither tier holds any more.
+            kept = {*self.cache.loaded(), *self.slots.slot_of, *self._adapter_of.values()}
+            for adapter_hash in [a for a in self.owners if a not in kept]:
+                del self.owners[adapter_hash]
 
     # -- device slots -----------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 A fixed number of slots hold adapters' stacked weights. A running sequence keeps its
 adapter's slot in use; a slot no sequence uses is idle and may be given to another
-adapter, least recently used first; pinned adapters never leave their slot. Copying the
+adapter: the least recently used idle one of the tenant furthest over its share of the
+slots (engine/lora/shares.py); pinned adapters never leave their slot. Copying the
 weights is not decided here: AdapterLifecycle copies into a slot what a step's rows need.
 """
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.lora.shares import Owner, fair_victim
+
 
 class AdapterSlots:
-    def __init__(self, num_slots: int, pinned: tuple[str, ...] = ()) -> None:
+    def __init__(self, num_slots: int, pinned: tuple[str, ...] = (),
+                 owners: dict[str, Owner] | None = None) -> None:
         if num_slots < 1:
             raise ValueError("at least one LoRA slot is needed")
         if len(pinned) > num_slots:
@@ -20,6 +24,7 @@ class AdapterSlots:
         self.num_slots = num_slots
         self.pinned = frozenset(pinned)
         self.slot_of: dict[str, int] = {}
+        self.owners = owners if owners is not None else {}  # adapter -> its tenant, weight
         self.users: dict[str, int] = {}  # running sequences per adapter in a slot
         self.evictions = 0  # adapters moved out of their slot for another
         # Sequences started whose adapter was in a slot already, and those it was copied for.
@@ -45,7 +50,9 @@ class AdapterSlots:
                 return None
             self.misses += 1
             if not self._free:
-                evicted, slot = self._idle.popitem(last=False)
+                evicted = fair_victim(self._idle, self.slot_of, self.owners,
+                                      self.owners.get(adapter))
+                slot = self._idle.pop(evicted)
                 del self.slot_of[evicted]
                 self._free.append(slot)
                 self.evictions += 1

@@ -1,0 +1,157 @@
+"""Many adapters over one base model: a thousand in the store, a few slots and a small host
+memory, batches mixing many of them, and tenants sharing the tiers fairly."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from lora_testing import peft_greedy, random_adapter
+from test_llm_engine import drain, request, tokens
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora.cache import AdapterCache
+from engine.lora.shares import fair_victim
+from engine.lora.slots import AdapterSlots
+from engine.lora.store import AdapterStore
+from engine.models.model_config import ModelConfig
+
+STORED = 1000
+MAX_NEW = 8
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def thousand(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[Path], list[str]]:
+    """A store of 1,000 distinct rank-8 adapters: (its root, their PEFT folders, hashes)."""
+    root = tmp_path_factory.mktemp("thousand")
+    store = AdapterStore(root / "store")
+    folders = [random_adapter(tiny_model_dir, root / f"a{i}", seed=i, r=8) for i in range(STORED)]
+    return store.root, folders, [store.put(folder) for folder in folders]
+
+
+def engine(tiny_model_dir, store_root, **options) -> LLMEngine:
+    options = {"max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 6, **options}
+    return LLMEngine(EngineConfig(model_dir=tiny_model_dir, adapter_store=store_root, **options))
+
+
+def run(eng: LLMEngine, jobs: list[tuple[str, str, str]]) -> dict[str, list[int]]:
+    """(request id, tenant, adapter hash) all at once; each request's tokens."""
+    for rid, tenant, adapter_hash in jobs:
+        eng.add_request(request(rid, PROMPT, tenant=tenant, adapter=rid,
+                                adapter_hash=adapter_hash, max_tokens=MAX_NEW))
+    outputs = drain(eng)
+    for rid, outs in outputs.items():
+        assert not outs[-1].error, (rid, outs[-1].error)
+    return {rid: tokens(outs) for rid, outs in outputs.items()}
+
+
+def test_a_mixed_batch_of_adapters_drawn_from_a_thousand_equals_peft_for_each(
+        tiny_model_dir, thousand):
+    store_root, folders, hashes = thousand
+    picks = random.Random(7).sample(range(STORED), 12)
+    # 12 distinct adapters through 4 slots and 6 adapters of host memory: slots turn over
+    # and host memory evicts while the batch runs.
+    eng = engine(tiny_model_dir, store_root)
+    got = run(eng, [(f"a{i}", f"tenant-{n % 3}", hashes[i]) for n, i in enumerate(picks)])
+    assert eng.adapters.slots.evictions > 0
+    outputs = {i: peft_greedy(tiny_model_dir, folders[i], [PROMPT], MAX_NEW)[0] for i in picks}
+    assert len({tuple(o) for o in outputs.values()}) > 1  # the adapters differ
+    for i in picks:
+        assert got[f"a{i}"] == outputs[i], i
+
+
+def test_an_adapter_evicted_to_the_store_and_loaded_again_gives_the_same_output(
+        tiny_model_dir, thousand):
+    store_root, folders, hashes = thousand
+    eng = engine(tiny_model_dir, store_root, max_loras=2, max_cpu_loras=2)
+    first = run(eng, [("first", "t", hashes[500])])["first"]
+    for i in range(6):  # the same tenant's other adapters push it out of both tiers
+        run(eng, [(f"other-{i}", "t", hashes[600 + i])])
+    assert hashes[500] not in eng.adapters and hashes[500] not in eng.adapters.slots.slot_of
+    loads = eng.adapters.host_misses
+    again = run(eng, [("again", "t", hashes[500])])["again"]
+    assert eng.adapters.host_misses == loads + 1  # read from the store again
+    assert again == first == peft_greedy(tiny_model_dir, folders[500], [PROMPT], MAX_NEW)[0]
+
+
+def test_a_tenant_flooding_distinct_adapters_leaves_another_tenants_adapter_resident(
+        tiny_model_dir, thousand):
+    store_root, _, hashes = thousand
+    eng = engine(tiny_model_dir, store_root, max_loras=2, max_cpu_loras=2)
+    quiet = hashes[10]
+    run(eng, [("quiet", "quiet-tenant", quiet)])
+    for i in range(8):  # one after another: each load finds the quiet adapter idle
+        run(eng, [(f"flood-{i}", "flooder", hashes[100 + i])])
+    assert quiet in eng.adapters  # host memory
+    assert quiet in eng.adapters.slots.slot_of  # a device slot
+    hits = eng.adapters.slots.hits
+    run(eng, [("quiet-again", "quiet-tenant", quiet)])
+    assert eng.adapters.slots.hits == hits + 1  # no copy, no load
+
+
+def test_a_corrupt_adapter_in_the_store_fails_only_its_request(tiny_model_dir, thousand,
+                                                               tmp_path):
+    store_root, folders, hashes = thousand
+    store = AdapterStore(store_root)
+    broken = tmp_path / "broken"
+    random_adapter(tiny_model_dir, broken, seed=5000, r=8)
+    bad_hash = store.put(broken)
+    weights = store.path(bad_hash) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated after it was stored
+    eng = engine(tiny_model_dir, store_root)
+    eng.add_request(request("bad", PROMPT, adapter="broken", adapter_hash=bad_hash))
+    for i in (1, 2, 3):
+        eng.add_request(request(f"good-{i}", PROMPT, adapter=f"a{i}", adapter_hash=hashes[i],
+                                max_tokens=MAX_NEW))
+    outputs = drain(eng)
+    assert outputs["bad"][-1].error and not tokens(outputs["bad"])
+    for i in (1, 2, 3):
+        assert tokens(outputs[f"good-{i}"]) == \
+            peft_greedy(tiny_model_dir, folders[i], [PROMPT], MAX_NEW)[0]
+    # The engine goes on serving.
+    assert run(eng, [("after", "t", hashes[4])])["after"]
+
+
+# -- the fair choice, unit by unit -----------------------------------------------------------
+
+def test_the_victim_is_the_incoming_tenants_own_adapter_when_shares_are_even():
+    owners = {"a1": ("a", 1.0), "b1": ("b", 1.0), "b2": ("b", 1.0)}
+    # a's one adapter is older, but b brings a third in: b is over its share.
+    assert fair_victim(["a1", "b1"], ["a1", "b1"], owners, ("b", 1.0)) == "b1"
+    assert fair_victim(["a1", "b1", "b2"], ["a1", "b1", "b2"], owners) == "b1"
+    # A weight of 3 gives b three times a's share: now a is further over it.
+    heavy = {k: (t, 3.0 if t == "b" else 1.0) for k, (t, _) in owners.items()}
+    assert fair_victim(["a1", "b1", "b2"], ["a1", "b1", "b2"], heavy) == "a1"
+    assert fair_victim([], ["a1"], owners) is None
+
+
+def test_slots_evict_the_flooding_tenants_idle_adapter_not_the_others():
+    owners = {"quiet": ("q", 1.0), **{f"f{i}": ("f", 1.0) for i in range(5)}}
+    slots = AdapterSlots(2, owners=owners)
+    quiet = slots.acquire("quiet")
+    slots.release("quiet")  # idle, least recently used from here on
+    for i in range(5):
+        slots.acquire(f"f{i}")
+        slots.release(f"f{i}")
+    assert slots.slot_of["quiet"] == quiet and slots.evictions == 4
+
+
+def test_host_memory_evicts_the_flooding_tenants_adapters(tiny_model_dir, thousand):
+    store_root, _, hashes = thousand
+    owners = {hashes[0]: ("quiet", 1.0)}
+    cache = AdapterCache(AdapterStore(store_root), ModelConfig.from_dir(tiny_model_dir),
+                         max_rank=8, dtype=torch.float32, capacity=3, owners=owners)
+    try:
+        for i in range(8):
+            owners[hashes[i]] = owners.get(hashes[i], ("flooder", 1.0))
+            cache.retain(hashes[i])
+            cache.wait(timeout=10)
+            cache.poll()
+            cache.release(hashes[i])
+        assert hashes[0] in cache and len(cache.loaded()) == 3
+    finally:
+        cache.close()
