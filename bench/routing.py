@@ -120,10 +120,14 @@ class Fleet:
 
     def stop(self) -> dict[str, int]:
         beats = self.beats()
-        totals = {"adapter_loads": 0, "stolen": 0}
+        totals = {"adapter_loads": 0, "stolen": 0, "adapter_host_hits": 0,
+                  "adapter_host_misses": 0}
         for beat in beats:
-            load = (beat.stats.get("engine") or {}).get("adapter_load") or {}
+            engine = beat.stats.get("engine") or {}
+            load = engine.get("adapter_load") or {}
             totals["adapter_loads"] += int(load.get("count") or 0)
+            for key in ("adapter_host_hits", "adapter_host_misses"):
+                totals[key] += int(engine.get(key) or 0)
             totals["stolen"] += int(beat.stats.get("requests_stolen") or 0)
         for proc in self.procs:
             proc.terminate()
@@ -239,6 +243,9 @@ def run(policy: str, fleet: Fleet, plan: list[tuple[float, dict]],
     steady = finished[len(finished) // 2:]
     return {"policy": policy, "requests": len(sent), "finished": len(finished),
             **figures(finished), "adapter_loads": totals["adapter_loads"],
+            # Requests that found their adapter in their engine's memory on arrival.
+            "adapter_hit_rate": round(totals["adapter_host_hits"] / max(
+                1, totals["adapter_host_hits"] + totals["adapter_host_misses"]), 4),
             "stolen": totals["stolen"], "per_engine": dict(sorted(per_engine.items())),
             "second_half": figures(steady)}
 
@@ -308,6 +315,8 @@ def main() -> None:
         "ttft_p95_random_s": median("random", "ttft_p95_s"),
         "adapter_loads_routed": median("scored", "adapter_loads"),
         "adapter_loads_random": median("random", "adapter_loads"),
+        "adapter_hit_rate_routed": median("scored", "adapter_hit_rate"),
+        "adapter_hit_rate_random": median("random", "adapter_hit_rate"),
         "second_half": {f"{key}_{name}": median(policy, key, "second_half")
                         for key in ("prefix_hit_rate", "ttft_p50_s", "ttft_p95_s")
                         for name, policy in (("routed", "scored"), ("random", "random"))},
@@ -324,6 +333,7 @@ def main() -> None:
         name = "routing_key"
         result["prefix_hit_rate_key"] = median("scored+key", "prefix_hit_rate")
         result["ttft_p50_key_s"] = median("scored+key", "ttft_p50_s")
+        result["adapter_hit_rate_key"] = median("scored+key", "adapter_hit_rate")
         result["second_half"]["prefix_hit_rate_key"] = median("scored+key",
                                                               "prefix_hit_rate", "second_half")
     path = write_result(name, result)

@@ -62,6 +62,10 @@ ROUTING_PLACEMENTS = Counter(
     "the least busy; random; overflow: no engine had a free seat, so the model's shared "
     "stream; shared: the policy; lane: a priority or spare-tier request, on its tier's lane).",
     ["policy", "reason"])
+ROUTING_ADAPTER_PLACEMENTS = Counter(
+    "atrium_routing_adapter_placements", "Requests for a LoRA adapter placed on one engine, by "
+    "whether that engine held the adapter in memory by its last heartbeat (resident: yes or "
+    "no): the router's adapter hit rate.", ["policy", "resident"])
 AUTH_SECONDS = Histogram(
     "atrium_auth_seconds", "Time to authenticate an API request (the key cache, then the "
     "database on a miss).", buckets=FAST_BUCKETS_S)

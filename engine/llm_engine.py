@@ -468,9 +468,7 @@ class LLMEngine:
     def _adapter_snapshot(self) -> dict[str, Any]:
         if self.adapters is None:
             return {"lora": None, "adapter_slot_evictions": 0, "adapter_load": None}
-        return {"lora": self.adapters.info(self.scheduler.waiting),
-                "adapter_slot_evictions": self.adapters.slots.evictions,
-                "adapter_load": self.adapters.cache.load_seconds.to_dict()}
+        return {"lora": self.adapters.info(self.scheduler.waiting), **self.adapters.stats()}
 
 
 def _send_prompt_logprobs(due: list[Sequence], outputs: list[RequestOutput]) -> None:

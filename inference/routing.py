@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from core.metrics import ROUTING_PLACEMENTS
+from core.metrics import ROUTING_ADAPTER_PLACEMENTS, ROUTING_PLACEMENTS
 from engine import protocol
 from engine.prefix_hash import PrefixSummary, cache_scope, prompt_keys
 
@@ -107,6 +107,9 @@ class Router:
             self._placed = {e: keys for e, keys in self._placed.items() if e in live}
             self._summaries = {e: s for e, s in self._summaries.items() if e in live}
         ROUTING_PLACEMENTS.labels(policy, reason).inc()
+        if request.adapter_hash:
+            resident = request.adapter_hash in (chosen.placement.get("adapters") or ())
+            ROUTING_ADAPTER_PLACEMENTS.labels(policy, "yes" if resident else "no").inc()
         return Placement(protocol.engine_stream(request.model, chosen.engine_id),
                          chosen.engine_id, cached)
 

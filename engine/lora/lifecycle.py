@@ -98,6 +98,14 @@ class AdapterLifecycle:
                 "running": sorted(self.names.get(a, a) for a in self.slots.users),
                 "waiting": sorted(self.names.get(a, a) for a in queued)}
 
+    def stats(self) -> dict[str, Any]:
+        """The tiers' figures for the engine's metrics snapshot."""
+        slots = self.slots
+        return {"adapter_slot_evictions": slots.evictions, "adapter_slot_hits": slots.hits,
+                "adapter_slot_misses": slots.misses, "adapter_host_hits": self.host_hits,
+                "adapter_host_misses": self.host_misses,
+                "adapter_load": self.cache.load_seconds.to_dict()}
+
     def resident(self) -> list[str]:
         """The adapters in host memory (a slot is a copy away), as content hashes."""
         return self.cache.loaded()

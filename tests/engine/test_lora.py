@@ -407,3 +407,13 @@ def test_metrics_name_the_adapters_running_and_waiting(tiny_model_dir, store_roo
     # The third adapter took the slot of one that had finished.
     [evictions] = metrics["atrium_engine_adapter_slot_evictions"]
     assert evictions.value == 1
+    # Each request's adapter was copied into a slot for it (no two shared one), and none was
+    # in host memory when its request arrived.
+    tiers = {name: metrics[f"atrium_engine_adapter_{name}"][0].value
+             for name in ("slot_hits", "slot_misses", "host_hits", "host_misses")}
+    assert tiers == {"slot_hits": 0, "slot_misses": 3, "host_hits": 0, "host_misses": 3}
+    eng.add_request(adapter_request("again", PROMPTS[1], names[2], adapters))
+    drain(eng)
+    metrics = scrape()
+    assert metrics["atrium_engine_adapter_slot_hits"][0].value == 1
+    assert metrics["atrium_engine_adapter_host_hits"][0].value == 1

@@ -81,6 +81,22 @@ def test_an_engine_holding_the_adapter_is_preferred_among_equals():
     assert {Router().place(request, beats).engine_id for _ in range(20)} == {"with"}
 
 
+def test_the_adapter_hit_rate_counts_placements_on_an_engine_holding_the_adapter():
+    from prometheus_client import REGISTRY
+
+    def count(policy: str, resident: str) -> float:
+        return REGISTRY.get_sample_value("atrium_routing_adapter_placements_total",
+                                         {"policy": policy, "resident": resident}) or 0.0
+
+    before = {k: count("scored", k) for k in ("yes", "no")}
+    request = _request(adapter="tuned", adapter_hash=ADAPTER)
+    Router().place(request, [_beat("without"), _beat("with", adapters=[ADAPTER])])
+    Router().place(_request(adapter="tuned", adapter_hash="c" * 64), [_beat("without")])
+    Router().place(_request(), [_beat("without")])  # no adapter: not counted
+    assert count("scored", "yes") == before["yes"] + 1
+    assert count("scored", "no") == before["no"] + 1
+
+
 def test_a_deep_queue_outweighs_a_cached_prefix():
     request = _request()
     warm = _beat("warm", cached=_keys(request), waiting=4, queued=6)
