@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import BenchRequest, Trace, summarize, write_result  # noqa: E402
+from bench.workload import BenchRequest, percentile, run_queued, write_result  # noqa: E402
 from engine import protocol  # noqa: E402
 from tests.engine.lora_testing import random_adapter  # noqa: E402
 
@@ -70,26 +70,12 @@ def workload(n: int, vocab: range, adapters: list[str] | None, seed: int) -> lis
 
 
 def run_engine(engine, reqs: list[BenchRequest]) -> dict:
-    trace = Trace()
-    started = time.monotonic()
-    for i, r in enumerate(reqs):
-        trace.arrival[r.request_id] = started
-        adapter = r.tenant_id or None
-        engine.add_request(protocol.EngineRequest(
-            request_id=r.request_id, model="bench", prompt_token_ids=r.prompt_token_ids,
-            tenant_id=f"tenant-{i % TENANTS}", cache_salt=r.request_id,
-            adapter=adapter[:12] if adapter else None, adapter_hash=adapter,
-            sampling=protocol.SamplingSpec(max_tokens=r.max_tokens, temperature=0.0,
-                                           ignore_eos=True)))
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.monotonic()
-        for out in outputs:
-            if out.error:
-                raise RuntimeError(out.error)
-            if out.token_ids:
-                trace.token(out.request_id, now, len(out.token_ids))
-    return summarize(trace, started, time.monotonic())
+    return run_queued(engine, [protocol.EngineRequest(
+        request_id=r.request_id, model="bench", prompt_token_ids=r.prompt_token_ids,
+        tenant_id=f"tenant-{i % TENANTS}", cache_salt=r.request_id,
+        adapter=r.tenant_id[:12] or None, adapter_hash=r.tenant_id or None,
+        sampling=protocol.SamplingSpec(max_tokens=r.max_tokens, temperature=0.0,
+                                       ignore_eos=True)) for i, r in enumerate(reqs)])
 
 
 def flop_floor(model_dir: Path, rank: int) -> tuple[float, float]:
@@ -123,11 +109,6 @@ def cold_loads(engine, store, hashes: list[str]) -> list[float]:
         engine.runner.copy_adapter(0, adapter)
         times.append(time.perf_counter() - started)
     return times
-
-
-def percentile(values: list[float], q: float) -> float:
-    ranked = sorted(values)
-    return ranked[min(len(ranked) - 1, round(q * (len(ranked) - 1)))]
 
 
 def main() -> None:
@@ -197,8 +178,8 @@ def main() -> None:
         if n == max(args.adapters):
             cold = cold_loads(engine, store, hashes[-args.cold_samples:])
             results["cold_load"] = {"samples": len(cold),
-                                    "p50_s": round(percentile(cold, 0.5), 4),
-                                    "p99_s": round(percentile(cold, 0.99), 4),
+                                    "p50_s": round(percentile(cold, 50), 4),
+                                    "p99_s": round(percentile(cold, 99), 4),
                                     "max_s": round(max(cold), 4)}
             print("cold loads:", results["cold_load"], flush=True)
     floor, floor_whole = flop_floor(model_dir, args.rank)

@@ -29,7 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import BenchRequest, Trace, summarize, write_result  # noqa: E402
+from bench.workload import (  # noqa: E402
+    BenchRequest,
+    Trace,
+    run_queued,
+    summarize,
+    write_result,
+)
 from engine import protocol  # noqa: E402
 
 OUTPUT_TOKENS = 64
@@ -64,26 +70,13 @@ def workload(n: int, vocab: range, adapters: list[str | None]) -> list[BenchRequ
 
 
 def run_engine(engine, reqs: list[BenchRequest], hashes: dict[str, str]) -> dict:
-    trace = Trace()
-    started = time.monotonic()
-    for r in reqs:
-        trace.arrival[r.request_id] = started
-        adapter = r.tenant_id if r.tenant_id != "base" else None
-        engine.add_request(protocol.EngineRequest(
-            request_id=r.request_id, model="bench", prompt_token_ids=r.prompt_token_ids,
-            tenant_id="bench", cache_salt=r.request_id, adapter=adapter,
-            adapter_hash=hashes.get(adapter) if adapter else None,
-            sampling=protocol.SamplingSpec(max_tokens=r.max_tokens, temperature=0.0,
-                                           ignore_eos=True)))
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.monotonic()
-        for out in outputs:
-            if out.error:
-                raise RuntimeError(out.error)
-            if out.token_ids:
-                trace.token(out.request_id, now, len(out.token_ids))
-    return summarize(trace, started, time.monotonic())
+    return run_queued(engine, [protocol.EngineRequest(
+        request_id=r.request_id, model="bench", prompt_token_ids=r.prompt_token_ids,
+        tenant_id="bench", cache_salt=r.request_id,
+        adapter=r.tenant_id if r.tenant_id != "base" else None,
+        adapter_hash=hashes.get(r.tenant_id),
+        sampling=protocol.SamplingSpec(max_tokens=r.max_tokens, temperature=0.0,
+                                       ignore_eos=True)) for r in reqs])
 
 
 def run_peft(model_dir: Path, folders: list[Path], reqs: list[BenchRequest],

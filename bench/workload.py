@@ -50,7 +50,8 @@ def poisson_workload(*, n: int, rate: float, prompt_len: tuple[int, int],
     return out
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of values, nearest rank; NaN when there are none."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -72,13 +73,32 @@ def summarize(trace: Trace, started: float, finished: float) -> dict[str, Any]:
 
     def stats(values: list[float]) -> dict[str, float]:
         return {"mean": round(1000 * statistics.fmean(values), 2) if values else float("nan"),
-                **{f"p{q}": round(1000 * _pct(values, q), 2) for q in (50, 95, 99)}}
+                **{f"p{q}": round(1000 * percentile(values, q), 2) for q in (50, 95, 99)}}
 
     duration = finished - started
     return {"requests": len(trace.token_times), "output_tokens": total,
             "duration_s": round(duration, 3),
             "output_tokens_per_s": round(total / duration, 2),
             "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl)}
+
+
+def run_queued(engine: Any, requests: list[Any]) -> dict[str, Any]:
+    """Queues every engine request at once and steps the engine until all have ended; their
+    summary. An output with an error ends the run."""
+    trace = Trace()
+    started = time.monotonic()
+    for request in requests:
+        trace.arrival[request.request_id] = started
+        engine.add_request(request)
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.monotonic()
+        for out in outputs:
+            if out.error:
+                raise RuntimeError(out.error)
+            if out.token_ids:
+                trace.token(out.request_id, now, len(out.token_ids))
+    return summarize(trace, started, time.monotonic())
 
 
 def machine() -> dict[str, Any]:
