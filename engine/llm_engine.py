@@ -488,7 +488,9 @@ def _send_prompt_logprobs(due: list[Sequence], outputs: list[RequestOutput]) -> 
 
 
 def _service(request: protocol.EngineRequest) -> dict[str, Any]:
-    """How ``request``'s sequences are scheduled: tier, class, fair weight, queue deadline."""
+    """How ``request``'s sequences are scheduled: tier, class, fair weight, queue deadline,
+    how long its cache is kept, how many of its tenant's adapters may hold a slot."""
     return {"priority": request.priority, "tier": protocol.tier_of(request),
             "fair_weight": request.fair_weight, "queue_deadline": request.queue_deadline,
-            "cache_retention_s": request.cache_retention_s}
+            "cache_retention_s": request.cache_retention_s,
+            "max_resident_adapters": request.max_resident_adapters}

@@ -145,6 +145,7 @@ def _sibling(seq: Sequence, token_ids: list[int], index: int, **state: Any) -> S
         tenant_id=seq.tenant_id, priority=seq.priority, tier=seq.tier,
         fair_weight=seq.fair_weight, cache_scope=seq.cache_scope, deadline=seq.deadline,
         queue_deadline=seq.queue_deadline, cache_retention_s=seq.cache_retention_s,
+        max_resident_adapters=seq.max_resident_adapters,
         detokenizer=None if detok is None else IncrementalDetokenizer(
             detok.tokenizer, detok.stop, skip_special_tokens=detok.skip_special_tokens),
         adapter_hash=seq.adapter_hash, group=seq.group, index=index, arrival=seq.arrival,

@@ -9,13 +9,12 @@ language that speaks Redis.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
-import types
-import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from engine.wire_types import typed_fields
 
 PROTOCOL_VERSION = 2  # 2: a model's keys carry its hash tag (model_prefix)
 KEY_PREFIX = "atrium"
@@ -218,6 +217,7 @@ TASKS = (TASK_GENERATE, TASK_EMBED)
 MAX_EMBED_INPUTS = 255  # an embed request's inputs after ``prompt_token_ids`` (256 in all)
 MAX_FAIR_WEIGHT = 1000.0
 MAX_CACHE_RETENTION_S = 7 * 24 * 3600.0
+MAX_RESIDENT_ADAPTERS = 100_000
 # Tenants a heartbeat's placement names in "fair", at most (the most served first).
 FAIR_STANDING_MAX = 64
 
@@ -275,6 +275,9 @@ class EngineRequest:
     service_tier: str = TIER_DEFAULT  # one of TIERS
     fair_weight: float = 1.0  # the plan's weight in token-fair scheduling (fair_share.py)
     cache_retention_s: float = 0.0  # its cached blocks kept ahead of others (host_kv.py)
+    # Of its tenant's adapters, at most this many in the engine's device slots at once (the
+    # plan's; 0: no limit but the tenant's fair share of them, engine/lora/shares.py).
+    max_resident_adapters: int = 0
     # Unix seconds: a request not yet started by then ends with FINISH_QUEUE_TIMEOUT, having
     # used nothing (flex: the client's timeout).
     queue_deadline: float | None = None
@@ -307,8 +310,9 @@ class EngineRequest:
         raw = json.loads(as_text(fields[b"data"] if b"data" in fields else fields["data"]))
         if not isinstance(raw, dict):
             raise ValueError("the request must be a JSON object")
-        raw["sampling"] = SamplingSpec(**_typed(SamplingSpec, raw.get("sampling"), "sampling"))
-        request = cls(**_typed(cls, raw, "request"))
+        raw["sampling"] = SamplingSpec(**typed_fields(SamplingSpec, raw.get("sampling"),
+                                                      "sampling"))
+        request = cls(**typed_fields(cls, raw, "request"))
         # NOTE: the model's own notify stream, nothing else: the engine writes it in the
         # MULTI of the request's events, which must stay in the model's slot.
         if request.notify is not None and \
@@ -326,6 +330,9 @@ class EngineRequest:
         if not 0 <= request.cache_retention_s <= MAX_CACHE_RETENTION_S:
             raise ValueError("request.cache_retention_s must be from 0 to "
                              f"{MAX_CACHE_RETENTION_S}")
+        if not 0 <= request.max_resident_adapters <= MAX_RESIDENT_ADAPTERS:
+            raise ValueError("request.max_resident_adapters must be from 0 to "
+                             f"{MAX_RESIDENT_ADAPTERS}")
         return request
 
 
@@ -428,49 +435,6 @@ class EngineHeartbeat:
 def as_text(value: str | bytes) -> str:
     """A Redis reply's string, whether the client decodes replies or not."""
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _typed(cls: type, raw: Any, what: str) -> dict[str, Any]:
-    """``raw`` as keyword arguments for the dataclass ``cls``, each of its declared type.
-
-    JSON numbers stand for floats, whole or not; a bool is never taken for a number.
-    Element types (list[int]) are left to the engine, which checks values anyway.
-    """
-    if not isinstance(raw, dict):
-        raise ValueError(f"{what} must be a JSON object")
-    allowed, required = _field_types(cls)
-    if unknown := sorted(raw.keys() - allowed.keys()):
-        raise ValueError(f"{what} has unknown fields: {', '.join(map(str, unknown))}")
-    if missing := [name for name in required if name not in raw]:
-        raise ValueError(f"{what} lacks {', '.join(missing)}")
-    for name, value in raw.items():
-        ok = allowed[name]
-        if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
-            names = " or ".join(_JSON_NAMES.get(t, t.__name__) for t in ok
-                                if not (t is int and float in ok))
-            raise ValueError(f"{what}.{name} must be {names}, "
-                             f"not {_JSON_NAMES.get(type(value), type(value).__name__)}")
-    return raw
-
-
-_JSON_NAMES = {types.NoneType: "null", bool: "a boolean", int: "an integer", float: "a number",
-               str: "a string", list: "an array", dict: "an object"}
-
-
-@functools.cache
-def _field_types(cls: type) -> tuple[dict[str, tuple[type, ...]], list[str]]:
-    """Each field's runtime types (``float | None`` -> int, float, NoneType), and the required."""
-    allowed = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        runtime: list[type] = []
-        for option in options:
-            origin = typing.get_origin(option) or option  # list[int] -> list
-            runtime.extend((int, float) if origin is float else (origin,))
-        allowed[name] = tuple(runtime)
-    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING]
-    return allowed, required
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from engine.batch import (
 from engine.fair_queue import FairQueue
 from engine.fair_share import ServiceCounters
 from engine.kv_cache_manager import KVCacheManager
-from engine.lora.slots import AdapterSlots
+from engine.lora.slots import AdapterSlots, SlotClaims
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput, Usage, merge_outputs
 from engine.sequence import Sequence, SequenceStatus
@@ -243,22 +243,16 @@ class Scheduler:
         return [(s, k) for s in decoding if (k := self._draft_limit(s)) > 0]
 
     def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], budget: int) -> None:
-        """Waiting sequences in fair order. A sequence whose adapter has no free slot is
-        passed over; one that does not fit the KV pool stops the walk.
-
-        NOTE: once one waits for a slot, no sequence after it takes an adapter slot, not
-        even one whose adapter is already in: else a busy adapter's stream of requests
-        keeps every slot busy and the one waiting never gets one. Now a slot drains."""
-        waiting_for_slot = False
+        """Waiting sequences in fair order. A sequence whose adapter has no slot for it is
+        passed over (``SlotClaims``); one that does not fit the KV pool stops the walk."""
+        claims = SlotClaims(self.slots)
         seats = sum(parallel.seats(s) for s in self.running)  # an unforked prompt's: n
         for seq in self.waiting.candidates():
             if budget == 0 or not tiers.may_start(seq, seats, self.max_num_seqs,
                                                   self.reserve_seats) or (
                     self.spare_sits_out and tiers.is_spare(seq)):
                 break
-            if seq.adapter_hash is not None and (
-                    waiting_for_slot or not self.slots.can_acquire(seq.adapter_hash)):
-                waiting_for_slot = True
+            if seq.adapter_hash is not None and not claims.admit(seq.adapter_hash, seq.tenant_id):
                 continue
             computed, num_cached = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - num_cached, budget, self._spare_cap(seq))
@@ -277,7 +271,7 @@ class Scheduler:
         """A waiting sequence whose KV blocks were just allocated starts (or restarts)."""
         self.waiting.take(seq)
         if seq.adapter_hash is not None:
-            seq.adapter_slot = self.slots.acquire(seq.adapter_hash)
+            seq.adapter_slot = self.slots.acquire(seq.adapter_hash, seq.tenant_id)
         if seq.scheduled_at is None:  # its first admission, not a readmission
             seq.scheduled_at = time.monotonic()
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)

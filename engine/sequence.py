@@ -31,6 +31,7 @@ class Sequence:
     tier: str = protocol.TIER_DEFAULT  # its service tier (protocol.TIERS)
     fair_weight: float = 1.0  # its tenant's weight in token-fair service (engine/fair_share.py)
     cache_retention_s: float = 0.0  # its cached blocks kept ahead of others (engine/host_kv.py)
+    max_resident_adapters: int = 0  # its tenant's adapters in slots at most (0: no limit)
     queue_deadline: float | None = None  # unix seconds: not started by then, it ends unrun
     # Scopes prefix-cache hits: folded into the first block's hash (see kv_cache_manager).
     cache_scope: bytes = b""

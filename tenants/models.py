@@ -44,6 +44,7 @@ RESUME_GRACE_MAX_S = 3600
 # The service tiers a request may ask for (docs/tiers.md); a plan offers some of them.
 SERVICE_TIERS = ("default", "flex", "priority")
 MAX_FAIR_WEIGHT = 1000.0
+MAX_RESIDENT_ADAPTERS = 100_000  # the most engine.protocol takes (max_resident_adapters)
 
 
 def _offered_tiers() -> list[str]:
@@ -88,6 +89,10 @@ class Plan(models.Model):
     # Its tenants may ask for prompt_cache_retention "24h": their prompts' cached KV blocks
     # kept in the engines' host tier ahead of other blocks for a day of disuse (docs/engine.md).
     extended_prompt_cache = models.BooleanField(default=False)
+    # How many of its tenants' LoRA adapters an engine holds at once, in its device slots and
+    # in its host memory each (None: no limit but the tenant's fair share; docs/engine.md).
+    max_resident_adapters = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MaxValueValidator(MAX_RESIDENT_ADAPTERS)])
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -57,6 +57,8 @@ class Principal:
     fair_weight: float = 1.0
     # The plan lets its tenants ask prompt_cache_retention "24h" (inference/prompt_cache.py).
     extended_prompt_cache: bool = False
+    # Of the tenant's adapters, how many an engine holds at once (None: no plan limit).
+    max_resident_adapters: int | None = None
 
     @property
     def key_lineage(self) -> int:

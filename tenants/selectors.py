@@ -142,6 +142,7 @@ def principal_for_key(key: ApiKey, *, tenant_limits_: Limits | None = None) -> P
         default_service_tier=tenant.plan.default_service_tier,
         fair_weight=tenant.plan.fair_weight,
         extended_prompt_cache=tenant.plan.extended_prompt_cache,
+        max_resident_adapters=tenant.plan.max_resident_adapters,
         tenant_limits=tenant_limits_ or tenant_limits(tenant=tenant),
         key_limits=key_limits(tenant=tenant, api_key=key))
 

@@ -11,6 +11,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from billing.models import Export
 from tenants.models import (
     MAX_FAIR_WEIGHT,
+    MAX_RESIDENT_ADAPTERS,
     QUOTA_FIELDS,
     RESUME_GRACE_MAX_S,
     SERVICE_TIERS,
@@ -274,6 +275,10 @@ class PlanForm(forms.Form):
     extended_prompt_cache = forms.BooleanField(
         required=False, label="Tenants may keep their prompt cache a day "
                               "(prompt_cache_retention '24h')")
+    max_resident_adapters = forms.IntegerField(
+        required=False, min_value=1, max_value=MAX_RESIDENT_ADAPTERS,
+        label="LoRA adapters of a tenant an engine holds at once (empty: no limit but its "
+              "fair share)")
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()

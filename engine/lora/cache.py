@@ -3,7 +3,9 @@
 The engine asks for an adapter when a request names it; the load (read, check, convert)
 runs on a background thread so running decodes never wait for a disk. An adapter that
 some request still needs is never evicted; beyond ``capacity`` the others go, the least
-recently used of the tenant furthest over its share first (engine/lora/shares.py).
+recently used of the tenant furthest over its share first (engine/lora/shares.py). A tenant
+holding more than its plan's ``max_resident_adapters`` lets go of its own idle ones first,
+whatever room is left: it keeps beyond its limit only the adapters its requests use.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
-from engine.lora.shares import Owner, fair_victim
+from engine.lora.shares import Owner, fair_victim, over_limit
 from engine.lora.store import AdapterStore
 from engine.metrics import ADAPTER_LOAD_BUCKETS_S, Histogram
 from engine.models.model_config import ModelConfig
@@ -27,7 +29,8 @@ log = logging.getLogger(__name__)
 class AdapterCache:
     def __init__(self, store: AdapterStore, model: ModelConfig, *, max_rank: int,
                  dtype: torch.dtype, capacity: int,
-                 owners: dict[str, Owner] | None = None) -> None:
+                 owners: dict[str, Owner] | None = None,
+                 limits: dict[str, int] | None = None) -> None:
         self.store = store
         self.model = model
         self.max_rank = max_rank
@@ -37,6 +40,7 @@ class AdapterCache:
         self._pending: dict[str, Future[LoRAAdapter]] = {}
         self._refs: dict[str, int] = {}
         self.owners = owners if owners is not None else {}  # adapter -> its tenant, weight
+        self.limits = limits if limits is not None else {}  # tenant -> its adapters at most
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
         # NOTE: written by the one loading thread (and at start, before it runs).
         self.load_seconds = Histogram(ADAPTER_LOAD_BUCKETS_S)
@@ -116,6 +120,9 @@ class AdapterCache:
                             adapter_hash=adapter_hash, dtype=self.dtype)
 
     def _evict(self) -> None:
+        while (victim := over_limit((a for a in self._loaded if a not in self._refs),
+                                    self._loaded, self.owners, self.limits)) is not None:
+            del self._loaded[victim]
         while len(self._loaded) > self.capacity:
             victim = fair_victim((a for a in self._loaded if a not in self._refs),
                                  self._loaded, self.owners)

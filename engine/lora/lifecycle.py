@@ -42,12 +42,17 @@ class AdapterLifecycle:
         # Adapter -> the tenant whose request used it last, and its weight: whose share of
         # host memory and of the slots it counts against (engine/lora/shares.py).
         self.owners: dict[str, tuple[str, float]] = {}
+        # Tenant -> how many adapters its plan lets it hold in each tier (its latest request's
+        # max_resident_adapters); a tenant with none is absent.
+        self.limits: dict[str, int] = {}
         self.cache = AdapterCache(store, model_config, max_rank=max_rank, dtype=dtype,
-                                  capacity=host_capacity, owners=self.owners)
+                                  capacity=host_capacity, owners=self.owners,
+                                  limits=self.limits)
         for adapter_hash in pinned:
             self.cache.load_now(adapter_hash)
             self.cache.retain(adapter_hash)
-        self.slots = AdapterSlots(num_slots, pinned=pinned, owners=self.owners)
+        self.slots = AdapterSlots(num_slots, pinned=pinned, owners=self.owners,
+                                  limits=self.limits)
         if len(self.slots.pinned) == self.slots.num_slots:
             log.warning("pinned adapters fill all %d LoRA slots: requests for any other "
                         "adapter are refused", self.slots.num_slots)
@@ -81,6 +86,10 @@ class AdapterLifecycle:
         memory already (the sequence may queue now), else it waits here for the load."""
         adapter_hash = seq.adapter_hash
         self.owners[adapter_hash] = (seq.tenant_id, seq.fair_weight)
+        if seq.max_resident_adapters:
+            self.limits[seq.tenant_id] = seq.max_resident_adapters
+        else:
+            self.limits.pop(seq.tenant_id, None)
         self.cache.retain(adapter_hash)
         self._adapter_of[seq.request_id] = adapter_hash
         if adapter_hash in self:
@@ -169,6 +178,9 @@ class AdapterLifecycle:
             kept = {*self.cache.loaded(), *self.slots.slot_of, *self._adapter_of.values()}
             for adapter_hash in [a for a in self.owners if a not in kept]:
                 del self.owners[adapter_hash]
+            tenants = {tenant for tenant, _ in self.owners.values()}
+            for tenant in [t for t in self.limits if t not in tenants]:
+                del self.limits[tenant]
 
     # -- device slots -----------------------------------------------------------------------
 

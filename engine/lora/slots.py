@@ -3,20 +3,24 @@
 A fixed number of slots hold adapters' stacked weights. A running sequence keeps its
 adapter's slot in use; a slot no sequence uses is idle and may be given to another
 adapter: the least recently used idle one of the tenant furthest over its share of the
-slots (engine/lora/shares.py); pinned adapters never leave their slot. Copying the
-weights is not decided here: AdapterLifecycle copies into a slot what a step's rows need.
+slots (engine/lora/shares.py); pinned adapters never leave their slot. A tenant whose plan
+caps its adapters in slots, and holds that many, takes a slot only in place of one of its
+own idle ones: until one idles, its request waits, and nobody else's. Copying the weights
+is not decided here: AdapterLifecycle copies into a slot what a step's rows need.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.lora import shares
 from engine.lora.shares import Owner, fair_victim
 
 
 class AdapterSlots:
     def __init__(self, num_slots: int, pinned: tuple[str, ...] = (),
-                 owners: dict[str, Owner] | None = None) -> None:
+                 owners: dict[str, Owner] | None = None,
+                 limits: dict[str, int] | None = None) -> None:
         if num_slots < 1:
             raise ValueError("at least one LoRA slot is needed")
         if len(pinned) > num_slots:
@@ -25,6 +29,7 @@ class AdapterSlots:
         self.pinned = frozenset(pinned)
         self.slot_of: dict[str, int] = {}
         self.owners = owners if owners is not None else {}  # adapter -> its tenant, weight
+        self.limits = limits if limits is not None else {}  # tenant -> its adapters at most
         self.users: dict[str, int] = {}  # running sequences per adapter in a slot
         self.evictions = 0  # adapters moved out of their slot for another
         # Sequences started whose adapter was in a slot already, and those it was copied for.
@@ -38,24 +43,34 @@ class AdapterSlots:
         """False when pinned adapters fill every slot and ``adapter`` is not one of them."""
         return adapter in self.pinned or len(self.pinned) < self.num_slots
 
-    def can_acquire(self, adapter: str) -> bool:
-        return adapter in self.slot_of or bool(self._free) or bool(self._idle)
+    def can_acquire(self, adapter: str, tenant: str = "") -> bool:
+        if adapter in self.slot_of:
+            return True
+        if self._limited(tenant):
+            return shares.own_oldest(self._idle, self.owners, tenant) is not None
+        return bool(self._free) or bool(self._idle)
 
-    def acquire(self, adapter: str) -> int | None:
-        """The adapter's slot, taken for one more running sequence; None if every slot is busy."""
+    def waits_for_own(self, adapter: str, tenant: str) -> bool:
+        """The adapter needs a slot its tenant may take only in place of one of its own, and
+        none of those is idle: it waits for its tenant's requests, not for the table."""
+        return not self.can_acquire(adapter, tenant) and self._limited(tenant)
+
+    def acquire(self, adapter: str, tenant: str = "") -> int | None:
+        """The adapter's slot, taken for one more running sequence of ``tenant``; None if
+        every slot is busy, or every one its tenant may hold."""
         if adapter in self.slot_of:
             self.hits += 1
         else:
-            if not self._free and not self._idle:
+            if not self.can_acquire(adapter, tenant):
                 return None
             self.misses += 1
-            if not self._free:
-                evicted = fair_victim(self._idle, self.slot_of, self.owners,
-                                      self.owners.get(adapter))
-                slot = self._idle.pop(evicted)
-                del self.slot_of[evicted]
-                self._free.append(slot)
-                self.evictions += 1
+            if self._limited(tenant):
+                victim = shares.own_oldest(self._idle, self.owners, tenant)
+            else:
+                victim = None if self._free else fair_victim(
+                    self._idle, self.slot_of, self.owners, self.owners.get(adapter))
+            if victim is not None:
+                self._evict(victim)
             self._place(adapter)
         self._idle.pop(adapter, None)
         self.users[adapter] = self.users.get(adapter, 0) + 1
@@ -74,6 +89,41 @@ class AdapterSlots:
             self._free.append(self._idle.pop(adapter))
             del self.slot_of[adapter]
 
+    def _limited(self, tenant: str) -> bool:
+        """The tenant holds as many slots as its plan allows (pinned adapters not counted)."""
+        return shares.at_limit(tenant, (a for a in self.slot_of if a not in self.pinned),
+                               self.owners, self.limits)
+
+    def _evict(self, adapter: str) -> None:
+        self._free.append(self._idle.pop(adapter))
+        del self.slot_of[adapter]
+        self.evictions += 1
+
     def _place(self, adapter: str) -> None:
         slot = self._free.pop()
         self.slot_of[adapter] = slot
+
+
+class SlotClaims:
+    """The waiting queue's claims on the slots in one scheduling pass, in queue order.
+
+    NOTE: once one waits for a slot, no sequence after it takes an adapter slot, not even
+    one whose adapter is already in: else a busy adapter's stream of requests keeps every
+    slot busy and the one waiting never gets one. Now a slot drains. One waiting for a slot
+    of its own tenant's to idle (its plan's limit) holds back that tenant's requests only.
+    """
+
+    def __init__(self, slots: AdapterSlots | None) -> None:
+        self.slots = slots
+        self.table_full = False
+        self.tenants_waiting: set[str] = set()
+
+    def admit(self, adapter: str, tenant: str) -> bool:
+        """Whether a sequence of ``tenant`` using ``adapter`` may take its slot now."""
+        if tenant in self.tenants_waiting or self.slots.waits_for_own(adapter, tenant):
+            self.tenants_waiting.add(tenant)
+            return False
+        if self.table_full or not self.slots.can_acquire(adapter, tenant):
+            self.table_full = True
+            return False
+        return True

@@ -11,6 +11,7 @@ from rest_framework import serializers
 from tenants.apis.base import StrictSerializer
 from tenants.models import (
     MAX_FAIR_WEIGHT,
+    MAX_RESIDENT_ADAPTERS,
     QUOTA_FIELDS,
     QUOTA_MAX,
     RESUME_GRACE_MAX_S,
@@ -71,6 +72,14 @@ def extended_prompt_cache_field(**kwargs: Any) -> serializers.BooleanField:
         help_text="its tenants may ask prompt_cache_retention '24h': their prompts' cached "
                   "KV blocks kept ahead of others in the engines' host tier for a day of "
                   "disuse", **kwargs)
+
+
+def resident_adapters_field(**kwargs: Any) -> serializers.IntegerField:
+    return serializers.IntegerField(
+        min_value=1, max_value=MAX_RESIDENT_ADAPTERS, allow_null=True,
+        help_text="how many of a tenant's LoRA adapters an engine holds at once, in its "
+                  "device slots and in its host memory each (null: no limit but the tenant's "
+                  "fair share)", **kwargs)
 
 
 def resume_grace_field(**kwargs: Any) -> serializers.IntegerField:
@@ -226,6 +235,7 @@ class PlanSerializer(LimitsSerializer):
     default_service_tier = default_service_tier_field()
     fair_weight = fair_weight_field()
     extended_prompt_cache = extended_prompt_cache_field()
+    max_resident_adapters = resident_adapters_field()
 
 
 @extend_schema_serializer(component_name="AuditEvent")

@@ -19,6 +19,7 @@ from tenants.apis.serializers import (
     fair_weight_field,
     limits_of,
     list_of,
+    resident_adapters_field,
     resume_grace_field,
     retention_field,
     service_tiers_field,
@@ -82,6 +83,7 @@ class PlanCreateApi(Api):
         default_service_tier = default_service_tier_field(required=False)
         fair_weight = fair_weight_field(required=False)
         extended_prompt_cache = extended_prompt_cache_field(required=False)
+        max_resident_adapters = resident_adapters_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Create a plan (operators)", request=InputSerializer,
                    responses={201: PlanSerializer})
@@ -117,6 +119,7 @@ class PlanUpdateApi(Api):
         default_service_tier = default_service_tier_field(required=False)
         fair_weight = fair_weight_field(required=False)
         extended_prompt_cache = extended_prompt_cache_field(required=False)
+        max_resident_adapters = resident_adapters_field(required=False)
 
     @extend_schema(tags=["plans"], summary="Change a plan (operators); applies to its tenants "
                    "at once", request=InputSerializer, responses=PlanSerializer)

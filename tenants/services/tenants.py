@@ -9,7 +9,7 @@ from django.utils.text import slugify
 
 from core.errors import Conflict, InvalidRequest
 from tenants.access import SYSTEM, Actor
-from tenants.models import MAX_FAIR_WEIGHT, SERVICE_TIERS, Plan, Tenant
+from tenants.models import MAX_FAIR_WEIGHT, MAX_RESIDENT_ADAPTERS, SERVICE_TIERS, Plan, Tenant
 from tenants.services.audit import audit_record
 from tenants.services.key_refresh import tenant_keys_refresh
 from tenants.services.quotas import PLAN_LIMIT_FIELDS, validated_plan_limits
@@ -31,12 +31,13 @@ def _plan_snapshot(plan: Plan) -> dict[str, Any]:
 
 
 # How a plan's requests are served: the tiers offered, the one "auto" picks, the fair weight,
-# and whether its prompts' cache may be kept longer.
+# whether its prompts' cache may be kept longer, and how many of its adapters engines hold.
 _SERVICE_FIELDS = ("service_tiers", "default_service_tier", "fair_weight",
-                   "extended_prompt_cache")
+                   "extended_prompt_cache", "max_resident_adapters")
 
 
-def _validated_service(tiers: list[str], default: str, weight: float) -> None:
+def _validated_service(tiers: list[str], default: str, weight: float,
+                       resident_adapters: int | None) -> None:
     if not tiers or not isinstance(tiers, list) or len(set(tiers)) != len(tiers) \
             or not set(tiers) <= set(SERVICE_TIERS):
         raise InvalidRequest("'service_tiers' must list distinct tiers of "
@@ -49,6 +50,11 @@ def _validated_service(tiers: list[str], default: str, weight: float) -> None:
     if not 0 < weight <= MAX_FAIR_WEIGHT:
         raise InvalidRequest(f"'fair_weight' must be above 0 and at most {MAX_FAIR_WEIGHT:g}",
                              param="fair_weight", code="invalid_value")
+    if resident_adapters is not None and not (
+            type(resident_adapters) is int and 1 <= resident_adapters <= MAX_RESIDENT_ADAPTERS):
+        raise InvalidRequest("'max_resident_adapters' must be empty (no limit) or from 1 to "
+                             f"{MAX_RESIDENT_ADAPTERS}", param="max_resident_adapters",
+                             code="invalid_value")
 
 
 def plan_get_default() -> Plan:
@@ -65,7 +71,8 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
                 response_retention_days: int | None = None,
                 resume_grace_s: int | None = None, service_tiers: list[str] | None = None,
                 default_service_tier: str = "default", fair_weight: float = 1.0,
-                extended_prompt_cache: bool = False) -> Plan:
+                extended_prompt_cache: bool = False,
+                max_resident_adapters: int | None = None) -> Plan:
     if Plan.objects.filter(slug=slug).exists():
         raise Conflict(f"plan '{slug}' already exists", param="slug")
     validated_plan_limits({
@@ -76,7 +83,7 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
         "max_file_bytes": max_file_bytes, "max_active_batches": max_active_batches,
         "response_retention_days": response_retention_days, "resume_grace_s": resume_grace_s})
     service_tiers = ["default", "flex"] if service_tiers is None else service_tiers
-    _validated_service(service_tiers, default_service_tier, fair_weight)
+    _validated_service(service_tiers, default_service_tier, fair_weight, max_resident_adapters)
     plan = Plan.objects.create(
         slug=slug, name=name, priority=priority, requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute, max_concurrent_requests=max_concurrent_requests,
@@ -85,7 +92,8 @@ def plan_create(*, actor: Actor, slug: str, name: str, priority: int,
         max_file_bytes=max_file_bytes, max_active_batches=max_active_batches,
         response_retention_days=response_retention_days, resume_grace_s=resume_grace_s,
         service_tiers=service_tiers, default_service_tier=default_service_tier,
-        fair_weight=fair_weight, extended_prompt_cache=extended_prompt_cache)
+        fair_weight=fair_weight, extended_prompt_cache=extended_prompt_cache,
+        max_resident_adapters=max_resident_adapters)
     audit_record(tenant=None, actor=actor, action="plan.create", target_type="plan",
                  target_id=plan.slug, after=_plan_snapshot(plan))
     return plan
@@ -105,7 +113,7 @@ def plan_update(*, actor: Actor, plan: Plan, changes: dict[str, Any]) -> Plan:
     validated_plan_limits({f: v for f, v in changes.items() if f in PLAN_LIMIT_FIELDS})
     service = {f: changes.get(f, getattr(plan, f)) for f in _SERVICE_FIELDS}
     _validated_service(service["service_tiers"], service["default_service_tier"],
-                       service["fair_weight"])
+                       service["fair_weight"], service["max_resident_adapters"])
     for field, value in changes.items():
         setattr(plan, field, value)
     plan.save()

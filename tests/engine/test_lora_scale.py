@@ -155,3 +155,66 @@ def test_host_memory_evicts_the_flooding_tenants_adapters(tiny_model_dir, thousa
         assert hashes[0] in cache and len(cache.loaded()) == 3
     finally:
         cache.close()
+
+
+# -- a plan's limit on how many adapters a tenant holds ----------------------------------------
+
+
+def test_a_tenant_capped_by_its_plan_never_holds_more_slots_and_its_outputs_equal_peft(
+        tiny_model_dir, thousand):
+    store_root, folders, hashes = thousand
+    eng = engine(tiny_model_dir, store_root, max_loras=4, max_cpu_loras=8)
+    capped = [300, 301, 302, 303, 304]
+    for i in capped:  # all at once: five adapters, two slots' worth for this tenant
+        req = request(f"c{i}", PROMPT, tenant="capped", adapter=f"a{i}",
+                      adapter_hash=hashes[i], max_tokens=MAX_NEW)
+        req.max_resident_adapters = 2
+        eng.add_request(req)
+    for i in (400, 401):
+        eng.add_request(request(f"o{i}", PROMPT, tenant="other", adapter=f"a{i}",
+                                adapter_hash=hashes[i], max_tokens=MAX_NEW))
+    mine = {hashes[i] for i in capped}
+    outputs: dict[str, list] = {}
+    most = 0
+    for _ in range(5_000):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        most = max(most, len(mine & set(eng.adapters.slots.slot_of)))
+    assert not eng.has_unfinished()
+    assert most == 2  # it used its two slots, never a third
+    for rid, i in [*((f"c{i}", i) for i in capped), ("o400", 400), ("o401", 401)]:
+        assert not outputs[rid][-1].error
+        assert tokens(outputs[rid]) == peft_greedy(tiny_model_dir, folders[i], [PROMPT],
+                                                   MAX_NEW)[0], rid
+    # Host memory had room for all seven; the capped tenant keeps its two most recent.
+    assert len(mine & set(eng.adapters.resident())) == 2
+    assert {hashes[400], hashes[401]} <= set(eng.adapters.resident())
+
+
+def test_host_memory_lets_a_tenant_over_its_limit_keep_only_what_its_requests_use(
+        tiny_model_dir, thousand):
+    store_root, _, hashes = thousand
+    owners = {h: ("capped", 1.0) for h in hashes[700:704]}
+    limits = {"capped": 2}
+    cache = AdapterCache(AdapterStore(store_root), ModelConfig.from_dir(tiny_model_dir),
+                         max_rank=8, dtype=torch.float32, capacity=10, owners=owners,
+                         limits=limits)
+    try:
+        for h in hashes[700:703]:  # three in use at once: the limit does not refuse them
+            cache.retain(h)
+        while len(cache.loaded()) < 3:
+            cache.wait(timeout=10)
+            cache.poll()
+        cache.release(hashes[700])  # idle, and the tenant is over its limit: it goes
+        assert set(cache.loaded()) == set(hashes[701:703])
+        cache.retain(hashes[703])
+        while hashes[703] not in cache:
+            cache.wait(timeout=10)
+            cache.poll()
+        cache.release(hashes[701])
+        cache.release(hashes[702])  # idle: the least recently used of the two goes
+        assert set(cache.loaded()) == {hashes[702], hashes[703]}
+    finally:
+        cache.close()

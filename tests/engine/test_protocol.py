@@ -39,6 +39,8 @@ def test_whole_numbers_are_taken_for_floats():
     (dict(deadline="soon"), "request.deadline must be a number or null"),
     (dict(sampling=[1]), "sampling must be a JSON object"),
     (dict(surprise=1), "unknown fields: surprise"),
+    (dict(max_resident_adapters=-1), "max_resident_adapters must be from 0 to 100000"),
+    (dict(max_resident_adapters=1.5), "max_resident_adapters must be an integer"),
 ])
 def test_a_mistyped_field_is_a_value_error_naming_it(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -75,3 +77,10 @@ def test_an_unknown_task_is_a_value_error_naming_the_field():
 def test_an_embed_request_may_have_more_extra_inputs_than_a_generate_request():
     assert protocol.max_extra_prompts(protocol.TASK_EMBED) == protocol.MAX_EMBED_INPUTS == 255
     assert protocol.max_extra_prompts(protocol.TASK_GENERATE) == protocol.MAX_EXTRA_PROMPTS
+
+
+def test_a_plans_adapter_limit_travels_and_an_earlier_message_has_none():
+    assert _decode_with(max_resident_adapters=3).max_resident_adapters == 3
+    raw = json.loads(_request().encode()["data"])
+    del raw["max_resident_adapters"]
+    assert protocol.EngineRequest.decode({"data": json.dumps(raw)}).max_resident_adapters == 0

@@ -107,3 +107,25 @@ def test_extended_prompt_caching_is_off_until_an_operator_sells_it(operator):
     event = AuditEvent.objects.filter(action="plan.update").latest("id")
     assert event.before["extended_prompt_cache"] is False and event.after[
         "extended_prompt_cache"] is True
+
+
+def test_an_operator_caps_a_plans_resident_adapters_and_the_key_carries_it(operator):
+    r = operator.post("/api/v1/plans", {**PLAN, "max_resident_adapters": 4}, format="json")
+    assert r.status_code == 201 and r.json()["max_resident_adapters"] == 4, r.content
+    key = key_factory(tenant_factory(plan=Plan.objects.get(slug="fast-lane")))
+    assert _principal(key.plaintext).max_resident_adapters == 4
+    r = operator.patch("/api/v1/plans/fast-lane", {"max_resident_adapters": None}, format="json")
+    assert r.status_code == 200 and r.json()["max_resident_adapters"] is None
+    assert _principal(key.plaintext).max_resident_adapters is None  # no limit
+    event = AuditEvent.objects.filter(action="plan.update").latest("id")
+    assert (event.before["max_resident_adapters"], event.after["max_resident_adapters"]) == \
+        (4, None)
+
+
+@pytest.mark.parametrize("value", [0, -1, 100_001, "many", True])
+def test_a_resident_adapter_limit_out_of_range_is_refused_naming_it(operator, value):
+    plan_factory(slug="steady")
+    r = operator.patch("/api/v1/plans/steady", {"max_resident_adapters": value}, format="json")
+    assert r.status_code == 400, r.content
+    assert r.json()["error"]["param"] == "max_resident_adapters"
+    assert Plan.objects.get(slug="steady").max_resident_adapters is None

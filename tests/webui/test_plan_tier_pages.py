@@ -87,3 +87,25 @@ def test_an_operator_prices_the_tiers_and_the_price_book_shows_the_ratios(world)
     assert (plain.flex_ratio, plain.priority_ratio) == (Decimal("0.5"), Decimal(2))
     page = client.get(reverse("webui:op-prices")).content.decode()
     assert "Flex ×" in page and "<td class=\"num\">0.4</td><td class=\"num\">2.5</td>" in page
+
+
+def test_an_operator_caps_and_uncaps_a_plans_resident_adapters_in_the_console(world):
+    client = _operator(world)
+    client.post(reverse("webui:op-plans"), {"slug": "lora", "name": "Lora", **LIMITS,
+                                            "max_resident_adapters": "3"})
+    plan = Plan.objects.get(slug="lora")
+    assert plan.max_resident_adapters == 3
+    page = re.sub(r"<[^>]+>", "", client.get(reverse("webui:op-plans")).content.decode())
+    assert "weight 1 · 3 adapters resident" in page
+    edit = client.get(reverse("webui:op-plan", args=["lora"])).content.decode()
+    assert re.search(r'name="max_resident_adapters"[^>]*value="3"', edit)
+    reply = client.post(reverse("webui:op-plan", args=["lora"]),
+                        {"name": "Lora", **LIMITS, "max_resident_adapters": "0"})
+    assert reply.status_code == 302 and any(m.startswith("LoRA adapters of a tenant")
+                                            and "greater than or equal to 1" in m
+                                            for m in _messages(reply))
+    plan.refresh_from_db()
+    assert plan.max_resident_adapters == 3  # refused, unchanged
+    client.post(reverse("webui:op-plan", args=["lora"]), {"name": "Lora", **LIMITS})
+    plan.refresh_from_db()
+    assert plan.max_resident_adapters is None  # left empty: no limit

@@ -196,6 +196,7 @@ def plan(request: HttpRequest, plan_slug: str) -> HttpResponse:
                "default_service_tier": found.default_service_tier,
                "fair_weight": found.fair_weight,
                "extended_prompt_cache": found.extended_prompt_cache,
+               "max_resident_adapters": found.max_resident_adapters,
                **{f: getattr(found, f) for f in PLAN_LIMIT_FIELDS}}
     form = forms.PlanUpdateForm(request.POST or None, initial=initial)
     if request.method == "POST":
