@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 from bench.concurrency import BIN, _cli, wait_ready  # noqa: E402
-from bench.workload import _pct, machine  # noqa: E402
+from bench.workload import machine, percentile  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -271,9 +271,9 @@ def measure(base: str, key: str, embedder_dir: Path, args: argparse.Namespace
     loaded, load_rate, load_statuses = asyncio.run(ttft_under_load(
         base, key, args.probes, args.load_clients))
     ttft = {"alone_p50_ms": round(1000 * statistics.median(alone), 1),
-            "alone_p99_ms": round(1000 * _pct(alone, 99), 1),
+            "alone_p99_ms": round(1000 * percentile(alone, 99), 1),
             "loaded_p50_ms": round(1000 * statistics.median(loaded), 1),
-            "loaded_p99_ms": round(1000 * _pct(loaded, 99), 1),
+            "loaded_p99_ms": round(1000 * percentile(loaded, 99), 1),
             "probes": len(alone), "load_clients": args.load_clients, "load_batch": 32,
             "load_embeddings_per_s": round(load_rate, 1),
             "load_answers_by_status": {str(k): v for k, v in load_statuses.items()}}

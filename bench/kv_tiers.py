@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
-from bench.workload import _pct  # noqa: E402
+from bench.workload import percentile  # noqa: E402
 from engine import protocol  # noqa: E402
 from engine.prefix_hash import cache_scope, prompt_keys  # noqa: E402
 
@@ -108,8 +108,8 @@ def conversations(engine, prefixes: dict[str, list[int]], rounds: int,
     evicted = [j["ttft"] for j in later if not j["in_pool"]]
     prompt = sum(j["prompt_tokens"] for j in later)
     return {"turns": len(later), "turns_evicted_from_the_pool": len(evicted),
-            "ttft_p50_evicted_s": round(_pct(evicted, 50), 5) if evicted else None,
-            "ttft_p99_evicted_s": round(_pct(evicted, 99), 5) if evicted else None,
+            "ttft_p50_evicted_s": round(percentile(evicted, 50), 5) if evicted else None,
+            "ttft_p99_evicted_s": round(percentile(evicted, 99), 5) if evicted else None,
             "hit_rate": round(sum(j["cached_tokens"] for j in later) / prompt, 4)}
 
 

@@ -52,7 +52,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 from bench.concurrency import BIN, MODEL, _cli, _cpu_s, wait_ready  # noqa: E402
-from bench.workload import _pct, machine  # noqa: E402
+from bench.workload import machine, percentile  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -259,7 +259,7 @@ async def measure(base: str, key: str, pid: int, args: argparse.Namespace) -> di
                     cell["requests"] += n
                     cell["wall_s"] += wall
                     cell["round_cpu_ms"].append(cpu * 1000 / n)
-                    cell["round_ttft"].append(_pct(out["ttft"], 50) if stream else None)
+                    cell["round_ttft"].append(percentile(out["ttft"], 50) if stream else None)
                     for name in ("failures", "ttft", "total", "tokens"):
                         cell[name] += out[name]
                     for text, answers in out["texts"].items():
@@ -286,12 +286,12 @@ def summarize(measured: dict, protocols: list[str]) -> list[dict[str, Any]]:
     for stream, c in measured["conditions"]:
         chat = cells[("chat", stream, c)]
         chat_cpu = chat["cpu_s"] * 1000 / chat["requests"]
-        chat_ttft = _pct(chat["ttft"], 50) if stream else None
-        chat_total = _pct(chat["total"], 50)
+        chat_ttft = percentile(chat["ttft"], 50) if stream else None
+        chat_total = percentile(chat["total"], 50)
         for protocol in protocols:
             cell = cells[(protocol, stream, c)]
             cpu = cell["cpu_s"] * 1000 / cell["requests"]
-            ttft = {f"p{q}": _ms(_pct(cell["ttft"], q)) for q in (50, 95, 99)} \
+            ttft = {f"p{q}": _ms(percentile(cell["ttft"], q)) for q in (50, 95, 99)} \
                 if stream else None
             paired = [ours / theirs for ours, theirs in
                       zip(cell["round_cpu_ms"], chat["round_cpu_ms"], strict=True)]
@@ -309,13 +309,13 @@ def summarize(measured: dict, protocols: list[str]) -> list[dict[str, Any]]:
                                                     3) if len(paired) > 1 else None,
                 "web_cpu_ms_per_request_rounds": [round(x, 3) for x in cell["round_cpu_ms"]],
                 "ttft_ms": ttft,
-                "ttft_p50_ratio_to_chat": round(_pct(cell["ttft"], 50) / chat_ttft, 3)
+                "ttft_p50_ratio_to_chat": round(percentile(cell["ttft"], 50) / chat_ttft, 3)
                 if stream else None,
                 "ttft_p50_round_ratio_median": round(statistics.median(
                     ours / theirs for ours, theirs in zip(cell["round_ttft"], chat["round_ttft"],
                                                           strict=True)), 3) if stream else None,
-                "total_ms_p50": _ms(_pct(cell["total"], 50)),
-                "total_p50_ratio_to_chat": round(_pct(cell["total"], 50) / chat_total, 3),
+                "total_ms_p50": _ms(percentile(cell["total"], 50)),
+                "total_p50_ratio_to_chat": round(percentile(cell["total"], 50) / chat_total, 3),
                 "output_tokens_mean": round(statistics.fmean(cell["tokens"]), 2)
                 if cell["tokens"] else None,
                 "requests_per_s": round(cell["requests"] / cell["wall_s"], 2),

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 from bench.concurrency import BIN, MODEL, _cli, _cpu_s, wait_ready  # noqa: E402
 from bench.protocols import TEXTS, cpu_s  # noqa: E402
-from bench.workload import _pct, machine  # noqa: E402
+from bench.workload import machine, percentile  # noqa: E402
 from engine.protocol import events_stream  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -315,12 +315,12 @@ def condition_row(name: str, cell: dict[str, Any], reference: dict[str, str]) ->
         "events_mean": round(statistics.fmean(len(set(s.ids)) for s in ok), 2) if ok else None,
         "completion_tokens_per_s": round(tokens / cell["wall_s"], 1),
         "round_tokens_per_s": [round(x, 1) for x in rounds],
-        "total_ms_p50": round(1000 * _pct([s.total_s for s in ok], 50), 1),
-        "total_ms_p99": round(1000 * _pct([s.total_s for s in ok], 99), 1),
+        "total_ms_p50": round(1000 * percentile([s.total_s for s in ok], 50), 1),
+        "total_ms_p99": round(1000 * percentile([s.total_s for s in ok], 99), 1),
         "cpu_ms_per_stream": {name: round(seconds * 1000 / len(streams), 2)
                               for name, seconds in cell["cpu_s"].items()},
         "wall_s": round(cell["wall_s"], 2),
-        **({f"resume_p{q}_s": round(_pct(resume, q), 4) for q in (50, 95, 99)} | {
+        **({f"resume_p{q}_s": round(percentile(resume, q), 4) for q in (50, 95, 99)} | {
             "resume_max_s": round(max(resume), 4), "resumes": len(resume)} if resume else {}),
     }
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.workload import write_result  # noqa: E402
 from engine.kernels.sgmv import Segments, sgmv_expand_reference, sgmv_shrink_reference  # noqa: E402
-from engine.lora.manager import CpuPlan, apply_batched  # noqa: E402
+from engine.lora.manager import CpuPlan, _Stack, apply_cpu  # noqa: E402
 
 LAYOUTS = {  # name -> row slots (-1: base model)
     "decode 64 rows, 1 adapter": [0] * 64,
@@ -99,17 +99,19 @@ def torch_implementations(w: Weights, x: torch.Tensor, y: torch.Tensor, seg: Seg
             da, db = w.dense[slot]
             y[start:start + length].addmm_(x[start:start + length] @ da.T, db)
 
-    # The engine's batched CPU path, with its slot stack built once (the engine keeps
-    # it for as long as the step's set of slots lasts).
+    # The engine's CPU path (engine/lora/manager.py): its plan of the step, over the
+    # slots' compact copies as the engine keeps them (one stack per projection).
     plan = CpuPlan.of(seg)
-    if plan.gather is not None:
-        a_stack = torch.stack([w.dense[slot][0].T for slot in plan.slots])
-        b_stack = torch.stack([w.dense[slot][1] for slot in plan.slots])
+    names = tuple(f"slice{s}" for s in range(w.slices))
+    stack = _Stack(w.a.shape[0], names, {n: (w.hidden, w.offsets[s + 1] - w.offsets[s])
+                                         for s, n in enumerate(names)},
+                   w.rank, w.dtype, torch.device(w.device), compact=True)
+    for slot, (da, db) in enumerate(w.dense):
+        stack.ua[slot], stack.ub[slot] = da.T, db
+        stack.widths[slot] = w.slices * w.rank
 
     def engine_cpu_batched():
-        if plan.gather is None:
-            return engine_cpu()  # the engine runs such a step per segment
-        apply_batched(x, y, plan, a_stack, b_stack)
+        apply_cpu(x, y, plan, stack)
 
     def reference():
         buf = torch.empty(len(row_slots), w.slices * w.rank, device=w.device)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
-from bench.workload import _pct  # noqa: E402
+from bench.workload import percentile  # noqa: E402
 from engine import protocol  # noqa: E402
 
 PROMPT, OUTPUT, NOISY_PROMPT = 64, 32, 512
@@ -166,11 +166,11 @@ def capacity(engine, window: float, in_flight: int) -> float:
 
 
 def p99s(phase: Phase) -> dict[str, float]:
-    return {k: round(_pct(v, 99), 4) for k, v in sorted(phase.ttft.items())}
+    return {k: round(percentile(v, 99), 4) for k, v in sorted(phase.ttft.items())}
 
 
 def summary(phase: Phase) -> dict:
-    return {"ttft_p50_s": {k: round(_pct(v, 50), 4) for k, v in sorted(phase.ttft.items())},
+    return {"ttft_p50_s": {k: round(percentile(v, 50), 4) for k, v in sorted(phase.ttft.items())},
             "ttft_p99_s": p99s(phase), "requests": {k: len(v) for k, v in phase.ttft.items()},
             "output_tokens_per_s": round(phase.tokens / phase.window_s, 1),
             "refused": phase.refused, "unstarted_after_drain": phase.unstarted}
