@@ -297,7 +297,12 @@ class EngineRequest:
     task: str = TASK_GENERATE
 
     def encode(self) -> dict[str, str]:
-        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+        doc = asdict(self)
+        if not self.max_resident_adapters:
+            # NOTE: left out at its default, so an engine of the release before it (which
+            # refuses fields it does not know) serves tenants without a cap while a fleet rolls.
+            del doc["max_resident_adapters"]
+        return {"data": json.dumps(doc, separators=(",", ":"))}
 
     @property
     def num_choices(self) -> int:

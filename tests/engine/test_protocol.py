@@ -79,8 +79,8 @@ def test_an_embed_request_may_have_more_extra_inputs_than_a_generate_request():
     assert protocol.max_extra_prompts(protocol.TASK_GENERATE) == protocol.MAX_EXTRA_PROMPTS
 
 
-def test_a_plans_adapter_limit_travels_and_an_earlier_message_has_none():
+def test_a_plans_adapter_limit_travels_and_is_left_out_when_there_is_none():
     assert _decode_with(max_resident_adapters=3).max_resident_adapters == 3
-    raw = json.loads(_request().encode()["data"])
-    del raw["max_resident_adapters"]
-    assert protocol.EngineRequest.decode({"data": json.dumps(raw)}).max_resident_adapters == 0
+    # Left out at 0, as an engine of the release before it expects: it refuses unknown fields.
+    assert "max_resident_adapters" not in json.loads(_request().encode()["data"])
+    assert protocol.EngineRequest.decode(_request().encode()).max_resident_adapters == 0
