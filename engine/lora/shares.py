@@ -63,6 +63,8 @@ def over_limit(idle: Iterable[str], held: Iterable[str], owners: Mapping[str, Ow
                limits: Mapping[str, int]) -> str | None:
     """The least recently used idle adapter of a tenant holding more of ``held`` than its
     plan allows (its limit was lowered, or its requests brought more in at once)."""
+    if not limits:
+        return None
     counts = Counter(tenant_of(a, owners) for a in held)
     return next((a for a in idle if 0 < limits.get(t := tenant_of(a, owners), 0) < counts[t]),
                 None)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.lora import shares
-from engine.lora.shares import Owner, fair_victim
+from engine.lora.shares import Owner, at_limit, fair_victim, own_oldest
 
 
 class AdapterSlots:
@@ -47,13 +46,14 @@ class AdapterSlots:
         if adapter in self.slot_of:
             return True
         if self._limited(tenant):
-            return shares.own_oldest(self._idle, self.owners, tenant) is not None
+            return own_oldest(self._idle, self.owners, tenant) is not None
         return bool(self._free) or bool(self._idle)
 
     def waits_for_own(self, adapter: str, tenant: str) -> bool:
         """The adapter needs a slot its tenant may take only in place of one of its own, and
         none of those is idle: it waits for its tenant's requests, not for the table."""
-        return not self.can_acquire(adapter, tenant) and self._limited(tenant)
+        return adapter not in self.slot_of and self._limited(tenant) \
+            and own_oldest(self._idle, self.owners, tenant) is None
 
     def acquire(self, adapter: str, tenant: str = "") -> int | None:
         """The adapter's slot, taken for one more running sequence of ``tenant``; None if
@@ -61,14 +61,18 @@ class AdapterSlots:
         if adapter in self.slot_of:
             self.hits += 1
         else:
-            if not self.can_acquire(adapter, tenant):
+            if self._limited(tenant):  # in place of its own oldest idle adapter, or none
+                victim = own_oldest(self._idle, self.owners, tenant)
+                if victim is None:
+                    return None
+            elif self._free:
+                victim = None
+            elif self._idle:
+                victim = fair_victim(self._idle, self.slot_of, self.owners,
+                                     self.owners.get(adapter))
+            else:
                 return None
             self.misses += 1
-            if self._limited(tenant):
-                victim = shares.own_oldest(self._idle, self.owners, tenant)
-            else:
-                victim = None if self._free else fair_victim(
-                    self._idle, self.slot_of, self.owners, self.owners.get(adapter))
             if victim is not None:
                 self._evict(victim)
             self._place(adapter)
@@ -91,8 +95,8 @@ class AdapterSlots:
 
     def _limited(self, tenant: str) -> bool:
         """The tenant holds as many slots as its plan allows (pinned adapters not counted)."""
-        return shares.at_limit(tenant, (a for a in self.slot_of if a not in self.pinned),
-                               self.owners, self.limits)
+        return at_limit(tenant, (a for a in self.slot_of if a not in self.pinned), self.owners,
+                        self.limits)
 
     def _evict(self, adapter: str) -> None:
         self._free.append(self._idle.pop(adapter))
