@@ -77,9 +77,12 @@ def test_a_trickling_webhook_and_an_alert_flood_leave_the_quiet_tenants_bill_and
             with Quiet(quiet, atrium.model) as probe:
                 time.sleep(8)
                 alert_s = alerts.probe()
+                # Enough of the quiet tenant's requests to judge its ledger lag by: on a
+                # busy CI machine eight seconds can hold as few as three.
+                wait_for(lambda: len(probe.ttfts) >= 10, timeout=90,
+                         what="ten of the quiet tenant's requests")
         assert probe.failures == [], probe.failures
         summary = probe.summary()
-        assert summary["requests"] >= 10, summary
         assert summary["ledger_lag_max_s"] <= LEDGER_LAG_MAX_S, summary
         assert alert_s <= ALERT_MAX_S
     finally:
