@@ -70,6 +70,9 @@ class SchedulerOutput:
     # Copies between the pool and the host tier, in order, before those: ("save", block,
     # slot) and ("load", slot, block) (engine/host_kv.py).
     host_moves: list[tuple[str, int, int]] = field(default_factory=list)
+    # ("save", block, slot) of blocks free in the pool, copied to the host tier beside the
+    # forward pass: no request of this step reads or writes them.
+    host_ahead: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -30,9 +30,10 @@ class KVBlock:
     owner: Owner = ("", 1.0, 0.0)  # who cached it
 
 
-# Told of each cached block the pool hands out again, before its content is overwritten:
-# (block id, its hash, then its owner's three). The host tier keeps a copy (host_kv.py).
-EvictionHook = Callable[[int, bytes, str, float, float], None]
+# Told of a cached block: (block id, its hash, then its owner's three). The host tier keeps
+# a copy (host_kv.py) of each one freed (on_release) and of each handed out again before its
+# content is overwritten (on_evict).
+BlockHook = Callable[[int, bytes, str, float, float], None]
 
 
 class BlockPool:
@@ -49,7 +50,8 @@ class BlockPool:
         self._cached: dict[bytes, KVBlock] = {}
         self._held: dict[str, int] = {}  # cached blocks by owner, in use or free
         self._weights: dict[str, float] = {}
-        self.on_evict: EvictionHook | None = None
+        self.on_evict: BlockHook | None = None
+        self.on_release: BlockHook | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -113,6 +115,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free(block)
+                if block.block_hash is not None and self.on_release is not None:
+                    self.on_release(block.block_id, block.block_hash, *block.owner)
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"KV block {block.block_id} released more than taken")
 

@@ -3,16 +3,23 @@ evicted them, found again by the same tenant-scoped block hashes and copied back
 recomputed.
 
 Plain Python, no tensors: a slot here is only an index into the runner's host KV tensors
-(ModelRunner.host_caches), and the copies are moves the runner makes before each step's
-forward pass, in the order they were decided (``take_moves``):
+(ModelRunner.host_caches), and the copies are moves the runner makes:
 
-- ``save`` (device block -> host slot): a cached block the pool is handing out again; its
-  content is read before the step that reuses the block writes into it;
-- ``load`` (host slot -> device block): a prefix found here for a sequence about to run;
-  the block is in the pool's cache index from then on, as if computed.
+- saved ahead (``keep``, device block -> host slot): a cached block the pool frees (no
+  sequence holds it any more) is copied here while it sits in the pool's free queue, on
+  the runner's copy thread beside the next step's forward pass (``take_ahead``): no step
+  waits for it. The block is read, never written, until the pool hands it out again;
+  the runner lets each step's copies finish before the next step starts.
+- ``save`` (device block -> host slot), before the step's forward pass: a cached block the
+  pool hands out again before its copy ahead was made (freed and reused in one step), or
+  whose copy here was given up since; read before the step that reuses it writes into it;
+- ``load`` (host slot -> device block), before the step's forward pass: a prefix found here
+  for a sequence about to run; the block is in the pool's cache index from then on, as if
+  computed.
 
-A block stays here after it is loaded back (the tier holds copies, not the only one), so
-evicting it from the pool again costs no copy.
+Those before the forward pass run in the order they were decided (``take_moves``). A block
+stays here after it is loaded back (the tier holds copies, not the only one), so evicting
+it from the pool again costs no copy.
 
 Fair between tenants: a tenant's share of the slots is its weight (the plan's fair weight,
 as the scheduler's) over the weights of the tenants that have blocks here. When the tier is
@@ -66,6 +73,8 @@ class HostKVTier:
         self._by_tenant: dict[str, OrderedDict[bytes, None]] = {}
         self._weights: dict[str, float] = {}
         self._moves: list[tuple[str, int, int]] = []
+        # Copies ahead not yet handed to a step: block hash -> (pool block, slot).
+        self._ahead: dict[bytes, tuple[int, int]] = {}
         self.stats = HostKVStats()
 
     @property
@@ -80,22 +89,46 @@ class HostKVTier:
 
     # --- the pool's evictions ----------------------------------------------------------------
 
-    def save(self, block_id: int, block_hash: bytes, tenant: str, weight: float = 1.0,
+    def keep(self, block_id: int, block_hash: bytes, tenant: str, weight: float = 1.0,
              retention_s: float = 0.0) -> None:
-        """Keeps the content of pool block ``block_id`` (about to be reused) under its hash;
-        nothing to copy when it is here already (it was loaded from here)."""
+        """Pool block ``block_id`` is free and still cached: its content is copied here ahead
+        of its eviction, off the step's path (``take_ahead``); nothing to copy when it is
+        here already."""
         if block_hash in self._index:
             self._touch(block_hash, retention_s)
             return
+        slot = self._take_slot(block_hash, tenant, weight, retention_s)
+        if slot is not None:
+            self._ahead[block_hash] = (block_id, slot)
+
+    def save(self, block_id: int, block_hash: bytes, tenant: str, weight: float = 1.0,
+             retention_s: float = 0.0) -> None:
+        """Pool block ``block_id`` is about to be reused: its content is copied here before
+        the step writes into it, unless a copy is here already (saved ahead, or loaded from
+        here); a copy ahead not yet handed to a step is made now instead."""
+        if block_hash in self._index:
+            self._touch(block_hash, retention_s)
+            ahead = self._ahead.pop(block_hash, None)
+            if ahead is not None:
+                self._moves.append((SAVE, *ahead))
+            return
+        slot = self._take_slot(block_hash, tenant, weight, retention_s)
+        if slot is not None:
+            self._moves.append((SAVE, block_id, slot))
+
+    def _take_slot(self, block_hash: bytes, tenant: str, weight: float,
+                   retention_s: float) -> int | None:
+        """A slot for a block to be copied here, indexed from now on; None when every slot
+        is pinned by a load this step (the block is not kept)."""
         self._weights[tenant] = weight
         slot = self._free.pop() if self._free else self._give_up_one(tenant)
         if slot is None:
-            return  # every slot is pinned by a load this step: this block is not kept
+            return None
         self._index[block_hash] = _Entry(slot, tenant)
         self._by_tenant.setdefault(tenant, OrderedDict())[block_hash] = None
         self._touch(block_hash, retention_s)
-        self._moves.append((SAVE, block_id, slot))
         self.stats.saves += 1
+        return slot
 
     def _give_up_one(self, saver: str) -> int | None:
         """The slot of the least recently used unpinned block of the tenant most over its
@@ -157,12 +190,20 @@ class HostKVTier:
         moves, self._moves = self._moves, []
         return moves
 
+    def take_ahead(self) -> list[tuple[str, int, int]]:
+        """The copies ahead decided since the last step, (SAVE, block, slot) each: blocks
+        free in the pool, which this step does not write into."""
+        ahead = [(SAVE, block, slot) for block, slot in self._ahead.values()]
+        self._ahead.clear()
+        return ahead
+
     def reset(self) -> None:
         """Forgets every block (a forward pass failed: what a save read may be wrong)."""
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._index.clear()
         self._by_tenant.clear()
         self._moves.clear()
+        self._ahead.clear()
 
     def _touch(self, block_hash: bytes, retention_s: float = 0.0) -> None:
         """Used now: the most recently used of its tenant's, kept ahead of others for its
@@ -174,6 +215,7 @@ class HostKVTier:
 
     def _forget(self, block_hash: bytes) -> None:
         entry = self._index.pop(block_hash)
+        self._ahead.pop(block_hash, None)  # its slot goes to another block: no copy into it
         keys = self._by_tenant[entry.tenant]
         del keys[block_hash]
         if not keys:

@@ -41,6 +41,7 @@ class KVCacheManager:
         self.host = HostKVTier(host_blocks) if host_blocks and enable_prefix_caching else None
         if self.host is not None:
             self.pool.on_evict = self.host.save
+            self.pool.on_release = self.host.keep
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
@@ -175,6 +176,11 @@ class KVCacheManager:
         """The copies between the pool and the host tier this step's forward pass needs
         first, in order (HostKVTier.take_moves)."""
         return self.host.take_moves() if self.host is not None else []
+
+    def take_host_ahead(self) -> list[tuple[str, int, int]]:
+        """The copies into the host tier of blocks the pool has freed, which the runner makes
+        beside this step's forward pass (HostKVTier.take_ahead)."""
+        return self.host.take_ahead() if self.host is not None else []
 
     def reset_cache(self) -> None:
         """Forgets every cached block, in both tiers (a forward pass failed)."""

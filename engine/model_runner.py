@@ -66,6 +66,10 @@ class ModelRunner:
         self.model.eval()
         self.vocab_size = model_config.vocab_size  # the logits' width
         self._grammar_thread: ThreadPoolExecutor | None = None  # fills grammar masks
+        # Copies into the host tier of blocks the pool freed, beside a step's forward pass
+        # (SchedulerOutput.host_ahead); the last step's, until the next step begins.
+        self._copy_thread: ThreadPoolExecutor | None = None
+        self._copying: Future[None] | None = None
         self.lora = None if not enable_lora else LoRAManager(
             model_config, num_slots=config.max_loras, max_rank=config.max_lora_rank,
             dtype=self.dtype, device=self.device, use_triton=self.use_triton)
@@ -131,9 +135,7 @@ class ModelRunner:
             if r.adapter_slot >= 0 and self.lora.slot_hash[r.adapter_slot] != r.adapter_hash:
                 raise RuntimeError(f"LoRA slot {r.adapter_slot} does not hold adapter "
                                    f"{r.adapter_hash} for request {r.request_id}")
-        if batch.host_moves:
-            self._move_host(batch.host_moves)
-            self.clock.lap("kv_host")
+        self._host_copies(batch)
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
         if not reqs:
@@ -289,6 +291,31 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+
+    def _host_copies(self, batch: SchedulerOutput) -> None:
+        """The host tier's copies: the last step's copies ahead finished, this step's moves
+        made, then its copies ahead started beside the forward pass."""
+        self._settle_host_copies()
+        if batch.host_moves:
+            self._move_host(batch.host_moves)
+            self.clock.lap("kv_host")
+        if batch.host_ahead:
+            if self._copy_thread is None:
+                self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-host-copies")
+            self._copying = self._copy_thread.submit(self._move_host, batch.host_ahead)
+
+    def _settle_host_copies(self) -> None:
+        """Waits for the copies ahead that the last step started: a block they read may be
+        handed out and written from this step on, a slot they write may be read or given to
+        another block.
+
+        NOTE: on a GPU they run on the default stream from the copy thread (ordered with the
+        forward passes, not beside them); a side stream is the next step there.
+        """
+        if self._copying is not None:
+            copying, self._copying = self._copying, None
+            copying.result()
+            self.clock.lap("kv_host_wait")
 
     def _move_host(self, moves: list[tuple[str, int, int]]) -> None:
         """The host tier's saves and loads, in order: each run of one kind at once, every

@@ -137,7 +137,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(scheduled, budget)
         return SchedulerOutput([self._scheduled(seq, n) for seq, n in scheduled.values()],
-                               self.kv.take_copies(), self.kv.take_host_moves())
+                               self.kv.take_copies(), self.kv.take_host_moves(),
+                               self.kv.take_host_ahead())
 
     def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]],
                           budget: int) -> tuple[int, bool]:

@@ -37,6 +37,39 @@ def test_saved_blocks_are_found_in_order_and_loaded_from_their_slot():
     assert tier.stats.saves == 3 and tier.stats.loads == 1
 
 
+def test_a_freed_block_is_copied_ahead_and_its_eviction_then_costs_no_copy():
+    tier = HostKVTier(4)
+    tier.keep(7, _key(1), "a")  # the pool freed it: copied beside the next step
+    assert tier.holds(_key(1)) and tier.take_moves() == []
+    ((kind, block, slot),) = tier.take_ahead()
+    assert (kind, block) == (SAVE, 7) and tier.take_ahead() == []
+    tier.keep(7, _key(1), "a")  # freed again (a later request hit it): here already
+    tier.save(7, _key(1), "a")  # handed out again: nothing to copy before the step
+    assert tier.take_moves() == tier.take_ahead() == [] and tier.stats.saves == 1
+    tier.load(_key(1), 2)
+    assert tier.take_moves() == [(LOAD, slot, 2)]
+
+
+def test_a_block_handed_out_before_its_copy_ahead_is_copied_before_the_step_writes_it():
+    tier = HostKVTier(4)
+    tier.keep(7, _key(1), "a")
+    tier.keep(8, _key(2), "a")
+    tier.save(7, _key(1), "a")  # freed and handed out again in one step
+    ((_, _, slot),) = [m for m in tier.take_moves()]
+    assert tier.take_moves() == [] and [m[1] for m in tier.take_ahead()] == [8]
+    tier.load(_key(1), 3)  # and its copy is what a later restore reads
+    assert tier.take_moves() == [(LOAD, slot, 3)] and tier.stats.saves == 2
+
+
+def test_a_copy_ahead_whose_slot_is_given_up_before_the_step_is_not_made():
+    tier = HostKVTier(1)
+    tier.keep(7, _key(1), "a")
+    tier.keep(8, _key(2), "a")  # the only slot goes to the newer block
+    assert tier.take_ahead() == [(SAVE, 8, 0)] and not tier.holds(_key(1))
+    tier.save(7, _key(1), "a")  # handed out later: copied then, before the step
+    assert tier.take_moves() == [(SAVE, 7, 0)] and tier.take_ahead() == []
+
+
 def test_a_flooding_tenant_evicts_its_own_blocks_not_anothers_share():
     tier = HostKVTier(10)
     for i in range(4):
@@ -167,6 +200,27 @@ def test_a_restored_block_from_another_tenant_is_never_used(tiny_model_dir, conv
     assert engine.snapshot()["kv_host_loads"] == loads
 
 
+def test_freed_blocks_are_copied_beside_the_steps_and_restore_the_same_output(
+        tiny_model_dir, conversations, expected, monkeypatch):
+    # A pool with room for about four prompts: what a request frees sits in the free queue
+    # for a step or more before another request's blocks take its place.
+    engine = _engine(tiny_model_dir, num_kv_blocks=32)
+    before, beside = [], []
+    for name, seen in (("take_host_moves", before), ("take_host_ahead", beside)):
+        take = getattr(engine.kv, name)
+        monkeypatch.setattr(engine.kv, name, lambda take=take, seen=seen: seen.extend(
+            moves := take()) or moves)
+    _round(engine, conversations, "a")
+    outs, cached = _round(engine, conversations, "b")
+    assert outs == expected and min(cached) >= 96
+    assert engine.snapshot()["kv_host_loads"] > 0
+    saves = [m for m in before if m[0] == SAVE]
+    assert len(beside) > 0 and len(saves) <= len(beside) // 4, (len(saves), len(beside))
+    text = render_prometheus(engine.snapshot(), model_name="tiny", engine="e1")
+    assert 'atrium_engine_step_phase_seconds_total{engine="e1",model_name="tiny",' \
+        'phase="kv_host_wait"}' in text
+
+
 def test_the_tiers_accounting_returns_to_empty(tiny_model_dir, conversations):
     engine = _engine(tiny_model_dir)
     for tag in "abc":
@@ -177,6 +231,8 @@ def test_the_tiers_accounting_returns_to_empty(tiny_model_dir, conversations):
     assert sum(host.used_by(f"t{i}") for i in range(6)) == host.num_used \
         == snap["kv_host_blocks_used"] <= snap["kv_host_blocks_total"]
     assert host.take_moves() == []  # every copy decided was handed to a step
+    # but the copies ahead of the last request's blocks, which the next step makes
+    assert all(engine.kv.pool.blocks[block].ref_cnt == 0 for _, block, _ in host.take_ahead())
     engine.kv.reset_cache()  # as a failed forward pass does
     assert host.num_used == 0 and engine.kv.pool.cached_keys() == []
     outs, cached = _round(engine, conversations[:2], "d")
