@@ -293,6 +293,11 @@ class LLMEngine:
         clock.lap("schedule")
         if not batch.requests:
             self._keep_accepted_drafts(None, None)
+            try:  # what its scheduling decided still happens
+                self.runner.move_kv(batch)
+            except Exception:  # noqa: BLE001 - as a failed forward pass: neither tier trusted
+                log.exception("copying KV blocks failed")
+                self.kv.reset_cache()
             return self._settle(outputs)
         try:
             if self.adapters is not None:
@@ -303,8 +308,7 @@ class LLMEngine:
             self._keep_accepted_drafts(None, None)
             log.exception("a forward pass failed; failing its %d requests", len(batch.requests))
             message = f"{type(exc).__name__}: {exc}"[:500]
-            # NOTE: blocks indexed for this step were never (fully) written, and a request
-            # that hit one in the same step is failing too; drop the whole index to be sure.
+            # NOTE: blocks indexed this step were never (fully) written: drop the whole index.
             self.kv.reset_cache()
             failed = [self.scheduler.abort(r.request_id, None, error=message)
                       for r in batch.requests]  # None for a request another row ended

@@ -135,9 +135,7 @@ class ModelRunner:
             if r.adapter_slot >= 0 and self.lora.slot_hash[r.adapter_slot] != r.adapter_hash:
                 raise RuntimeError(f"LoRA slot {r.adapter_slot} does not hold adapter "
                                    f"{r.adapter_hash} for request {r.request_id}")
-        self._host_copies(batch)
-        if batch.block_copies:
-            self._copy_blocks(batch.block_copies)
+        self.move_kv(batch)
         if not reqs:
             return RunnerOutput([])
         # Decode rows (one query token) first, then prompt chunks; within each, rows of one
@@ -292,13 +290,17 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
 
-    def _host_copies(self, batch: SchedulerOutput) -> None:
-        """The host tier's copies: the last step's copies ahead finished, this step's moves
-        made, then its copies ahead started beside the forward pass."""
+    def move_kv(self, batch: SchedulerOutput) -> None:
+        """The copies of KV blocks a step's scheduling decided: the last step's copies ahead
+        finished, this step's host moves and copy-on-write made, then its copies ahead
+        started beside the forward pass. A step that runs no request makes them too: the
+        host tier counts on each one it decided."""
         self._settle_host_copies()
         if batch.host_moves:
             self._move_host(batch.host_moves)
             self.clock.lap("kv_host")
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
         if batch.host_ahead:
             if self._copy_thread is None:
                 self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-host-copies")

@@ -221,6 +221,18 @@ def test_freed_blocks_are_copied_beside_the_steps_and_restore_the_same_output(
         'phase="kv_host_wait"}' in text
 
 
+def test_copies_decided_in_a_step_that_runs_no_request_are_still_made(
+        tiny_model_dir, conversations, expected):
+    engine = _engine(tiny_model_dir)
+    _round(engine, conversations, "a")
+    # The last request's blocks were freed as it ended: their copies ahead are decided,
+    # and this step schedules nothing.
+    assert engine.step() == [] and engine.kv.host.take_ahead() == []
+    # Each tenant's prompt again: by the last one's turn, the pool has evicted its prefix.
+    outs, cached = _round(engine, conversations, "b")
+    assert outs == expected and min(cached) >= 96
+
+
 def test_the_tiers_accounting_returns_to_empty(tiny_model_dir, conversations):
     engine = _engine(tiny_model_dir)
     for tag in "abc":
