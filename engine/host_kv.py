@@ -15,7 +15,10 @@ Plain Python, no tensors: a slot here is only an index into the runner's host KV
   whose copy here was given up since; read before the step that reuses it writes into it;
 - ``load`` (host slot -> device block), before the step's forward pass: a prefix found here
   for a sequence about to run; the block is in the pool's cache index from then on, as if
-  computed.
+  computed;
+- ``restore`` (host slot -> device block), beside the step's forward pass: the same for a
+  sequence that waits for it while others run, and starts at the next step (the slot is
+  pinned until the copy is handed to the step).
 
 Those before the forward pass run in the order they were decided (``take_moves``). A block
 stays here after it is loaded back (the tier holds copies, not the only one), so evicting
@@ -73,8 +76,11 @@ class HostKVTier:
         self._by_tenant: dict[str, OrderedDict[bytes, None]] = {}
         self._weights: dict[str, float] = {}
         self._moves: list[tuple[str, int, int]] = []
-        # Copies ahead not yet handed to a step: block hash -> (pool block, slot).
+        # Copies ahead not yet handed to a step: block hash -> (pool block, slot); and loads
+        # beside the step, with the blocks they read (pinned until then).
         self._ahead: dict[bytes, tuple[int, int]] = {}
+        self._restores: list[tuple[str, int, int]] = []
+        self._restoring: list[bytes] = []
         self.stats = HostKVStats()
 
     @property
@@ -173,8 +179,19 @@ class HostKVTier:
             self._index[block_hash].pinned += delta
 
     def load(self, block_hash: bytes, block_id: int) -> None:
-        """Copies the block kept under ``block_hash`` into pool block ``block_id``."""
+        """Copies the block kept under ``block_hash`` into pool block ``block_id`` before
+        the step's forward pass."""
         self._moves.append((LOAD, self._index[block_hash].slot, block_id))
+        self._touch(block_hash)
+        self.stats.loads += 1
+
+    def restore(self, block_hash: bytes, block_id: int) -> None:
+        """Copies the block kept under ``block_hash`` into pool block ``block_id`` beside the
+        step's forward pass (``take_ahead``), for a sequence that starts at a later step;
+        the block stays pinned until the copy is handed to the step."""
+        self.pin([block_hash])
+        self._restoring.append(block_hash)
+        self._restores.append((LOAD, self._index[block_hash].slot, block_id))
         self._touch(block_hash)
         self.stats.loads += 1
 
@@ -191,10 +208,17 @@ class HostKVTier:
         return moves
 
     def take_ahead(self) -> list[tuple[str, int, int]]:
-        """The copies ahead decided since the last step, (SAVE, block, slot) each: blocks
-        free in the pool, which this step does not write into."""
-        ahead = [(SAVE, block, slot) for block, slot in self._ahead.values()]
+        """The copies made beside this step's forward pass: restores (LOAD, slot, block)
+        into blocks no request of the step reads, then copies ahead (SAVE, block, slot) of
+        blocks free in the pool, which the step does not write into. None of them touches
+        another's block or slot: a restore's slot is pinned, a restore's block was just
+        handed out (a copy ahead of it became a save before the step)."""
+        ahead = self._restores + [(SAVE, block, slot) for block, slot in self._ahead.values()]
+        for block_hash in self._restoring:
+            if block_hash in self._index:
+                self._index[block_hash].pinned -= 1
         self._ahead.clear()
+        self._restores, self._restoring = [], []
         return ahead
 
     def reset(self) -> None:
@@ -204,6 +228,7 @@ class HostKVTier:
         self._by_tenant.clear()
         self._moves.clear()
         self._ahead.clear()
+        self._restores, self._restoring = [], []
 
     def _touch(self, block_hash: bytes, retention_s: float = 0.0) -> None:
         """Used now: the most recently used of its tenant's, kept ahead of others for its

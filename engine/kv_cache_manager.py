@@ -47,6 +47,11 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         # Copy-on-write this step, destination block id -> source block id (take_copies).
         self._copies: dict[int, int] = {}
+        # Waiting sequences whose prefix is being restored from the host tier beside a step
+        # (restore_ahead): the blocks each holds until it starts, and those the next step
+        # indexes once their copy has been handed to a step.
+        self._reserved: dict[str, list[KVBlock]] = {}
+        self._to_index: dict[str, tuple[Owner, list[tuple[KVBlock, bytes]]]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -132,10 +137,50 @@ class KVCacheManager:
             table[i] = self._copy_on_write(table[i])
         table = table + hits + self._load(seq, kept) + self.pool.allocate(max(need, 0))
         self.tables[seq.request_id] = table
-        if computed is not None and self.host is not None and not seq.num_preemptions:
+        reserved = self._reserved.pop(seq.request_id, None)
+        if computed is not None and self.host is not None and not seq.num_preemptions \
+                and reserved is None:  # (a restored prefix was counted as it was restored)
+            self.host.record_lookup((seq.num_prompt_tokens - len(hits) * self.block_size),
+                                    len(kept) * self.block_size)
+        self.pool.release((reserved or [])[::-1])  # its table holds them now
+        return True
+
+    def restore_ahead(self, seq: Sequence, computed: CachedPrefix) -> bool:
+        """Starts bringing back the part of ``seq``'s cached prefix the host tier holds, into
+        fresh pool blocks, beside this step's forward pass: ``seq`` waits, holding its
+        prefix's blocks, and at the next step finds it all in the pool. False (nothing done)
+        when none of it is in the host tier, it is already on its way, or the pool has no
+        room for it now (the sequence then starts as it can, loading before the step)."""
+        kept = [h for h in computed if isinstance(h, bytes)]
+        if not kept or seq.request_id in self._reserved:
+            return False
+        assert self.host is not None
+        hits = [b for b in computed if isinstance(b, KVBlock)]
+        if len(kept) > self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0):
+            return False
+        self.pool.touch(hits)
+        self.host.pin(kept)  # (as in _load: the saves the room causes must not take them)
+        try:
+            blocks = self.pool.allocate(len(kept))
+        finally:
+            self.host.pin(kept, -1)
+        for block, block_hash in zip(blocks, kept, strict=True):
+            self.host.restore(block_hash, block.block_id)
+        self._reserved[seq.request_id] = hits + blocks
+        self._to_index[seq.request_id] = (_owner(seq), list(zip(blocks, kept, strict=True)))
+        if not seq.num_preemptions:
             self.host.record_lookup((seq.num_prompt_tokens - len(hits) * self.block_size),
                                     len(kept) * self.block_size)
         return True
+
+    def index_restored(self) -> None:
+        """At a step's start: the blocks restored beside the last step enter the pool's
+        cache index, as if computed (the runner finishes those copies before this step's
+        forward pass reads anything)."""
+        for owner, restored in self._to_index.values():
+            for block, block_hash in restored:
+                self.pool.cache(block, block_hash, owner)
+        self._to_index.clear()
 
     def _load(self, seq: Sequence, kept: list[bytes]) -> list[KVBlock]:
         """Fresh pool blocks for the host tier's ``kept`` ones, each loaded from there and
@@ -185,6 +230,7 @@ class KVCacheManager:
     def reset_cache(self) -> None:
         """Forgets every cached block, in both tiers (a forward pass failed)."""
         self.pool.reset_cache()
+        self._to_index.clear()  # what a restore brought back is not trusted either
         if self.host is not None:
             self.host.reset()
 
@@ -233,6 +279,8 @@ class KVCacheManager:
         del table[keep:]
 
     def free(self, seq: Sequence) -> None:
+        self._to_index.pop(seq.request_id, None)
+        self.pool.release(self._reserved.pop(seq.request_id, [])[::-1])
         table = self.tables.pop(seq.request_id, [])
         # Blocks indexed for a step that never ran hold no valid KV: take them out of the
         # index (a sequence preempted or failed before its step computed them).

@@ -126,6 +126,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         scheduled: dict[str, tuple[Sequence, int]] = {}  # in batch order
+        self.kv.index_restored()
         victim = tiers.seat_to_yield(self.waiting, self.running, self.kv, self.max_num_seqs,
                                      self.reserve_seats)
         if victim is not None:
@@ -256,6 +257,10 @@ class Scheduler:
             if seq.adapter_hash is not None and not claims.admit(seq.adapter_hash, seq.tenant_id):
                 continue
             computed, num_cached = self.kv.get_computed_blocks(seq)
+            # A prefix coming back from the host tier is copied beside the step of those
+            # running, and only its own sequence waits for it (it starts at the next step).
+            if self.running and self.kv.restore_ahead(seq, computed):
+                continue
             n = min(seq.num_tokens - num_cached, budget, self._spare_cap(seq))
             if n == 0 or (n < seq.num_tokens - num_cached and not self.enable_chunked_prefill):
                 break

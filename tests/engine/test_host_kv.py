@@ -70,6 +70,18 @@ def test_a_copy_ahead_whose_slot_is_given_up_before_the_step_is_not_made():
     assert tier.take_moves() == [(SAVE, 7, 0)] and tier.take_ahead() == []
 
 
+def test_a_restore_beside_the_step_keeps_its_slot_until_the_step_takes_it():
+    tier = HostKVTier(1)
+    tier.save(0, _key(1), "a")
+    tier.take_moves()
+    tier.restore(_key(1), 5)
+    tier.save(1, _key(2), "a")  # the only slot is about to be read: this block is not kept
+    assert not tier.holds(_key(2)) and tier.take_moves() == []
+    assert tier.take_ahead() == [(LOAD, 0, 5)] and tier.stats.loads == 1
+    tier.save(1, _key(2), "a")  # the copy is the step's now: the slot may go
+    assert tier.holds(_key(2)) and tier.take_moves() == [(SAVE, 1, 0)]
+
+
 def test_a_flooding_tenant_evicts_its_own_blocks_not_anothers_share():
     tier = HostKVTier(10)
     for i in range(4):
@@ -231,6 +243,41 @@ def test_copies_decided_in_a_step_that_runs_no_request_are_still_made(
     # Each tenant's prompt again: by the last one's turn, the pool has evicted its prefix.
     outs, cached = _round(engine, conversations, "b")
     assert outs == expected and min(cached) >= 96
+
+
+def test_a_prefix_restored_beside_a_step_holds_back_only_its_own_request(
+        tiny_model_dir, conversations, expected, monkeypatch):
+    engine = _engine(tiny_model_dir)
+    _round(engine, conversations, "a")  # the pool keeps the last prompts; t0's went to host
+    batches = []
+    schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule",
+                        lambda: batches.append(batch := schedule()) or batch)
+    engine.add_request(request("busy", conversations[5], tenant="t5", salt="t5",
+                               max_tokens=MAX_NEW, ignore_eos=True))
+    outputs: dict[str, list] = {}
+    while "busy" not in outputs:  # running: its prompt was found in the pool
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    loads = engine.snapshot()["kv_host_loads"]
+    engine.add_request(request("back", conversations[0], tenant="t0", salt="t0",
+                               max_tokens=MAX_NEW, ignore_eos=True))
+    for out in engine.step():
+        outputs.setdefault(out.request_id, []).append(out)
+    # That step ran the busy request alone, its prefix's copies beside it, none before it.
+    restoring = batches[-1]
+    assert [r.request_id for r in restoring.requests] == ["busy"]
+    assert [m[0] for m in restoring.host_moves if m[0] == LOAD] == []
+    restored = sum(m[0] == LOAD for m in restoring.host_ahead)
+    assert restored > 0 and engine.snapshot()["kv_host_loads"] - loads == restored
+    for name, outs in drain(engine).items():
+        outputs.setdefault(name, []).extend(outs)
+    started = batches[batches.index(restoring) + 1]
+    back = next(r for r in started.requests if r.request_id == "back")
+    assert back.start_pos == 96  # the next step: its prefix was in the pool
+    assert tokens(outputs["back"]) == expected[0] and tokens(outputs["busy"]) == expected[5]
+    assert outputs["back"][-1].usage.cached_tokens == 96
+    assert engine.snapshot()["kv_host_loads"] - loads == restored  # brought back once
 
 
 def test_the_tiers_accounting_returns_to_empty(tiny_model_dir, conversations):
