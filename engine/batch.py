@@ -70,8 +70,9 @@ class SchedulerOutput:
     # Copies between the pool and the host tier, in order, before those: ("save", block,
     # slot) and ("load", slot, block) (engine/host_kv.py).
     host_moves: list[tuple[str, int, int]] = field(default_factory=list)
-    # ("save", block, slot) of blocks free in the pool, copied to the host tier beside the
-    # forward pass: no request of this step reads or writes them.
+    # Copies beside the forward pass (HostKVTier.take_ahead): ("load", slot, block) into a
+    # waiting sequence's fresh blocks, then ("save", block, slot) of blocks free in the
+    # pool; no request of this step reads or writes those blocks.
     host_ahead: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property

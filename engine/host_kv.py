@@ -181,9 +181,7 @@ class HostKVTier:
     def load(self, block_hash: bytes, block_id: int) -> None:
         """Copies the block kept under ``block_hash`` into pool block ``block_id`` before
         the step's forward pass."""
-        self._moves.append((LOAD, self._index[block_hash].slot, block_id))
-        self._touch(block_hash)
-        self.stats.loads += 1
+        self._moves.append(self._read(block_hash, block_id))
 
     def restore(self, block_hash: bytes, block_id: int) -> None:
         """Copies the block kept under ``block_hash`` into pool block ``block_id`` beside the
@@ -191,9 +189,13 @@ class HostKVTier:
         the block stays pinned until the copy is handed to the step."""
         self.pin([block_hash])
         self._restoring.append(block_hash)
-        self._restores.append((LOAD, self._index[block_hash].slot, block_id))
+        self._restores.append(self._read(block_hash, block_id))
+
+    def _read(self, block_hash: bytes, block_id: int) -> tuple[str, int, int]:
+        """The move that copies ``block_hash``'s slot into pool block ``block_id``."""
         self._touch(block_hash)
         self.stats.loads += 1
+        return LOAD, self._index[block_hash].slot, block_id
 
     def record_lookup(self, tokens: int, found: int) -> None:
         self.stats.queries += tokens

@@ -138,10 +138,8 @@ class KVCacheManager:
         table = table + hits + self._load(seq, kept) + self.pool.allocate(max(need, 0))
         self.tables[seq.request_id] = table
         reserved = self._reserved.pop(seq.request_id, None)
-        if computed is not None and self.host is not None and not seq.num_preemptions \
-                and reserved is None:  # (a restored prefix was counted as it was restored)
-            self.host.record_lookup((seq.num_prompt_tokens - len(hits) * self.block_size),
-                                    len(kept) * self.block_size)
+        if computed is not None and reserved is None:  # (a restore counted its own lookup)
+            self._count_host_lookup(seq, hits, kept)
         self.pool.release((reserved or [])[::-1])  # its table holds them now
         return True
 
@@ -159,18 +157,12 @@ class KVCacheManager:
         if len(kept) > self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0):
             return False
         self.pool.touch(hits)
-        self.host.pin(kept)  # (as in _load: the saves the room causes must not take them)
-        try:
-            blocks = self.pool.allocate(len(kept))
-        finally:
-            self.host.pin(kept, -1)
+        blocks = self._blocks_for(kept)
         for block, block_hash in zip(blocks, kept, strict=True):
             self.host.restore(block_hash, block.block_id)
         self._reserved[seq.request_id] = hits + blocks
         self._to_index[seq.request_id] = (_owner(seq), list(zip(blocks, kept, strict=True)))
-        if not seq.num_preemptions:
-            self.host.record_lookup((seq.num_prompt_tokens - len(hits) * self.block_size),
-                                    len(kept) * self.block_size)
+        self._count_host_lookup(seq, hits, kept)
         return True
 
     def index_restored(self) -> None:
@@ -182,19 +174,30 @@ class KVCacheManager:
                 self.pool.cache(block, block_hash, owner)
         self._to_index.clear()
 
+    def _count_host_lookup(self, seq: Sequence, hits: list[KVBlock], kept: list[bytes]) -> None:
+        """The host tier's share of a prompt's first lookup: the tokens the pool did not
+        hold, and those found there."""
+        if self.host is not None and not seq.num_preemptions:
+            self.host.record_lookup((seq.num_prompt_tokens - len(hits) * self.block_size),
+                                    len(kept) * self.block_size)
+
+    def _blocks_for(self, kept: list[bytes]) -> list[KVBlock]:
+        """Fresh pool blocks for the host tier's ``kept`` ones to be copied into."""
+        assert self.host is not None
+        # NOTE: held while the pool makes room: a block the pool evicts now is saved to the
+        # host tier, and that save must not take the slot of one about to be copied back.
+        self.host.pin(kept)
+        try:
+            return self.pool.allocate(len(kept))
+        finally:
+            self.host.pin(kept, -1)
+
     def _load(self, seq: Sequence, kept: list[bytes]) -> list[KVBlock]:
         """Fresh pool blocks for the host tier's ``kept`` ones, each loaded from there and
         cached under its hash, as if computed here."""
         if not kept:
             return []
-        assert self.host is not None
-        # NOTE: held while the pool makes room: a block the pool evicts now is saved to the
-        # host tier, and that save must not take the slot of one about to be loaded.
-        self.host.pin(kept)
-        try:
-            blocks = self.pool.allocate(len(kept))
-        finally:
-            self.host.pin(kept, -1)
+        blocks = self._blocks_for(kept)
         for block, block_hash in zip(blocks, kept, strict=True):
             self.host.load(block_hash, block.block_id)
             self.pool.cache(block, block_hash, _owner(seq))

@@ -289,7 +289,6 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-
     def move_kv(self, batch: SchedulerOutput) -> None:
         """The copies of KV blocks a step's scheduling decided: the last step's copies ahead
         finished, this step's host moves and copy-on-write made, then its copies ahead
