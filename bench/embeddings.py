@@ -15,7 +15,10 @@ fresh ATRIUM_HOME, all on this machine's cores with the clients.
   Every Atrium vector is checked against the peer's (max abs difference).
 - Interference: streamed chat probes one after another (time to the first content
   token), alone and then beside a steady embedding load (--load-clients clients sending
-  batches of 32); p50 and p99 and their ratio (goal p99 <= 1.10x).
+  batches of 32, from a process of their own); p50 and p99 and their ratio (goal p99 <=
+  1.10x).
+- The engines run with the threads `atrium up` gives two engines on this host's cores
+  (--engine-threads).
 
 Writes bench/results/embeddings.json.
 
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import base64
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -45,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 from bench.concurrency import BIN, _cli, wait_ready  # noqa: E402
 from bench.workload import machine, percentile  # noqa: E402
+from engine.options import threads_each  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -124,11 +129,33 @@ async def ttft_probes(base: str, key: str, probes: int) -> list[float]:
     return out
 
 
-async def ttft_under_load(base: str, key: str, probes: int, load_clients: int
-                          ) -> tuple[list[float], float]:
-    """The probes beside ``load_clients`` clients embedding batches of 32 without pause;
-    the load's embeddings a second."""
-    stop = asyncio.Event()
+def ttft_under_load(base: str, key: str, probes: int, load_clients: int
+                    ) -> tuple[list[float], float, dict[str, int]]:
+    """The probes beside ``load_clients`` clients embedding batches of 32 without pause, in
+    a process of their own (another tenant's application, not the prober's event loop);
+    the load's embeddings a second while the probes ran."""
+    context = multiprocessing.get_context("spawn")
+    measuring, stop, results = context.Event(), context.Event(), context.Queue()
+    loader = context.Process(target=_load, args=(base, key, load_clients, measuring, stop,
+                                                 results))
+    loader.start()
+    try:
+        time.sleep(3.0)  # the load is steady before the first probe
+        measuring.set()
+        result = asyncio.run(ttft_probes(base, key, probes))
+    finally:
+        stop.set()
+    rate, statuses = results.get(timeout=120)
+    loader.join(timeout=30)
+    return result, rate, statuses
+
+
+def _load(base: str, key: str, clients: int, measuring: Any, stop: Any, results: Any) -> None:
+    results.put(asyncio.run(_embed_until(base, key, clients, measuring, stop)))
+
+
+async def _embed_until(base: str, key: str, clients: int, measuring: Any, stop: Any
+                       ) -> tuple[float, dict[str, int]]:
     done, statuses = 0, {}
 
     async def load(c: int) -> None:
@@ -138,21 +165,23 @@ async def ttft_under_load(base: str, key: str, probes: int, load_clients: int
             n = 0
             while not stop.is_set():
                 answer = await client.post("/v1/embeddings", json={
-                    "model": EMBEDDER, "input": texts(32, seed=50_000 + c * 1000 + n)})
+                    "model": EMBEDDER, "input": texts(32, seed=50_000 + c * 1000 + n),
+                    "encoding_format": "base64"})  # as the openai package asks
                 n += 1
-                done += 32 if answer.status_code == 200 else 0
-                statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+                if measuring.is_set():
+                    done += 32 if answer.status_code == 200 else 0
+                    status = str(answer.status_code)
+                    statuses[status] = statuses.get(status, 0) + 1
 
-    loaders = [asyncio.ensure_future(load(c)) for c in range(load_clients)]
-    await asyncio.sleep(2.0)  # the load is steady before the first probe
-    began, done = time.monotonic(), 0
-    try:
-        result = await ttft_probes(base, key, probes)
-    finally:
-        rate = done / (time.monotonic() - began)
-        stop.set()
-        await asyncio.gather(*loaders, return_exceptions=True)
-    return result, rate, statuses
+    loaders = [asyncio.ensure_future(load(c)) for c in range(clients)]
+    while not measuring.is_set():
+        await asyncio.sleep(0.05)
+    began = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    seconds = time.monotonic() - began
+    await asyncio.gather(*loaders, return_exceptions=True)
+    return done / seconds, statuses
 
 
 # --- the peer -------------------------------------------------------------------------------
@@ -182,10 +211,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--probes", type=int, default=200)
     parser.add_argument("--load-clients", type=int, default=4)
-    parser.add_argument("--engine-threads", type=int, default=0,
-                        help="OMP_NUM_THREADS of each engine (0: torch's default, one a "
-                             "core): two engines' spinning threads on two cores stall each "
-                             "other")
+    parser.add_argument("--engine-threads", type=int, default=threads_each(2),
+                        help="each engine's --threads (default: what `atrium up` gives two "
+                             "engines on this host; 0: torch's default, one a core)")
     parser.add_argument("--models", type=Path, default=ROOT / "var/e2e-models/models",
                         help="a models folder to copy into ATRIUM_HOME (built if absent)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/embeddings.json")
@@ -211,11 +239,10 @@ def main() -> None:
         _cli(env, home, "set-limits", "bench", "--max-concurrent-requests", "100000",
              "--requests-per-minute", "1000000", "--tokens-per-minute", "1000000000")
         key = _cli(env, home, "create-key", "bench").split()[-1]
-        engine_env = {**env, **({"OMP_NUM_THREADS": str(args.engine_threads)}
-                                if args.engine_threads else {})}
         for name in (CHAT, EMBEDDER):
             procs.append(subprocess.Popen(
-                [str(BIN / "atrium"), "engine", "--model-name", name], env=engine_env, cwd=home,
+                [str(BIN / "atrium"), "engine", "--model-name", name, "--threads",
+                 str(args.engine_threads)], env=env, cwd=home,
                 stdout=(home / f"engine-{name}.log").open("w"), stderr=subprocess.STDOUT))
         port = free_port()
         web = subprocess.Popen([str(BIN / "atrium"), "web", "--port", str(port)], env=env,
@@ -268,15 +295,15 @@ def measure(base: str, key: str, embedder_dir: Path, args: argparse.Namespace
         print(json.dumps(rows[-1]), flush=True)
     one_call = peer_one_call(peer, 2048)
     alone = asyncio.run(ttft_probes(base, key, args.probes))
-    loaded, load_rate, load_statuses = asyncio.run(ttft_under_load(
-        base, key, args.probes, args.load_clients))
+    loaded, load_rate, load_statuses = ttft_under_load(base, key, args.probes,
+                                                       args.load_clients)
     ttft = {"alone_p50_ms": round(1000 * statistics.median(alone), 1),
             "alone_p99_ms": round(1000 * percentile(alone, 99), 1),
             "loaded_p50_ms": round(1000 * statistics.median(loaded), 1),
             "loaded_p99_ms": round(1000 * percentile(loaded, 99), 1),
             "probes": len(alone), "load_clients": args.load_clients, "load_batch": 32,
             "load_embeddings_per_s": round(load_rate, 1),
-            "load_answers_by_status": {str(k): v for k, v in load_statuses.items()}}
+            "load_answers_by_status": load_statuses}
     ttft["p99_ratio"] = round(ttft["loaded_p99_ms"] / ttft["alone_p99_ms"], 3)
     at_32 = next(r for r in rows if r["batch"] == 32)
     return {

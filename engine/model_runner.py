@@ -67,9 +67,13 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size  # the logits' width
         self._grammar_thread: ThreadPoolExecutor | None = None  # fills grammar masks
         # Copies into the host tier of blocks the pool freed, beside a step's forward pass
-        # (SchedulerOutput.host_ahead); the last step's, until the next step begins.
+        # (SchedulerOutput.host_ahead); the last step's, until the next step begins. On a GPU
+        # the thread issues them on a stream of their own, so the bus moves them while the
+        # default stream computes.
         self._copy_thread: ThreadPoolExecutor | None = None
         self._copying: Future[None] | None = None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" \
+            else None
         self.lora = None if not enable_lora else LoRAManager(
             model_config, num_slots=config.max_loras, max_rank=config.max_lora_rank,
             dtype=self.dtype, device=self.device, use_triton=self.use_triton)
@@ -303,19 +307,40 @@ class ModelRunner:
         if batch.host_ahead:
             if self._copy_thread is None:
                 self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-host-copies")
-            self._copying = self._copy_thread.submit(self._move_host, batch.host_ahead)
+            self._copying = self._copy_thread.submit(self._move_host_beside, batch.host_ahead,
+                                                     self._mark_default_stream())
+
+    def _mark_default_stream(self) -> torch.cuda.Event | None:
+        """On a GPU, the point the copies ahead start from: what the default stream has
+        been given so far (the blocks they save were written there), not the forward pass
+        queued after it."""
+        if self._copy_stream is None:
+            return None
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
+
+    def _move_host_beside(self, moves: list[tuple[str, int, int]],
+                          mark: torch.cuda.Event | None) -> None:
+        if self._copy_stream is None:  # the CPU: the thread is what runs them beside
+            self._move_host(moves)
+            return
+        # NOTE: a stream set in a thread is that thread's only; a save's copy to the host
+        # waits for this stream alone.
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(mark)
+            self._move_host(moves)
 
     def _settle_host_copies(self) -> None:
         """Waits for the copies ahead that the last step started: a block they read may be
         handed out and written from this step on, a slot they write may be read or given to
-        another block.
-
-        NOTE: on a GPU they run on the default stream from the copy thread (ordered with the
-        forward passes, not beside them); a side stream is the next step there.
-        """
+        another block, a block they restore is read by this step. On a GPU, the default
+        stream's work from here on waits for theirs too."""
         if self._copying is not None:
             copying, self._copying = self._copying, None
             copying.result()
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             self.clock.lap("kv_host_wait")
 
     def _move_host(self, moves: list[tuple[str, int, int]]) -> None:

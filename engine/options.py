@@ -4,11 +4,14 @@ engine.worker`` and ``atrium engine`` (each flag's default: an ATRIUM_* variable
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from engine.outputs import EngineCore
+
+log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Path], EngineCore]
 
@@ -77,6 +80,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "token's final hidden state, normalised (default: "
                              "ATRIUM_ENGINE_EMBEDDINGS=1); a sentence-transformers "
                              "checkpoint serves embeddings only, whatever this says")
+    parser.add_argument("--threads", type=int, default=int(env("ATRIUM_ENGINE_THREADS") or "0"),
+                        help="on CPU, the threads of this engine's forward passes (default: "
+                             "ATRIUM_ENGINE_THREADS, or 0: torch's, one a core); engines "
+                             "sharing a host's cores should split them (`atrium up` does)")
     parser.add_argument("--drain-seconds", type=float,
                         default=float(env("ATRIUM_DRAIN_S", "30")),
                         help="on SIGTERM: take nothing new and finish what is held for up to "
@@ -97,11 +104,23 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, port_variable: str) -
                              "on another host)")
 
 
+def threads_each(engines: int) -> int:
+    """Torch threads for each of ``engines`` engines started on this host's cores (0: torch's
+    default, for one): each keeps a share of the cores, since the threads of one engine's
+    step wait for each other whenever another process holds a core they need (measured in
+    docs/benchmarks.md, embeddings)."""
+    return 0 if engines <= 1 else max(1, len(os.sched_getaffinity(0)) // engines)
+
+
 def engine_factory_from_args(args: argparse.Namespace) -> EngineFactory:
     def factory(model_dir: Path) -> EngineCore:
         import torch
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu":
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            log.info("engine on cpu with %d torch threads", torch.get_num_threads())
         if args.engine == "reference":
             from engine.reference import ReferenceEngine
 

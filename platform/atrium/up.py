@@ -109,6 +109,7 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     from django.core.management import call_command
 
     from core.served_models import model_paths
+    from engine.options import threads_each
 
     models = list(model_paths())
     exe = [sys.executable, "-m", "atrium.cli"]
@@ -119,8 +120,12 @@ def _up(args: argparse.Namespace, home: Path) -> None:
     # ports after the worker's), started first: an engine needs no database, and loads its
     # model while the database is migrated. Stopping, an engine finishes what it holds
     # while the web server waits for those streams, within the 15 s each process gets below.
+    # Engines on this host's CPU split its cores, unless the operator set their threads.
+    threads = [] if os.environ.get("ATRIUM_ENGINE_THREADS") \
+        else ["--threads", str(threads_each(len(models)))]
     children = [
         subprocess.Popen(exe + ["engine", "--model-name", name, "--drain-seconds", "10",
+                                *threads,
                                 *(engine_metrics if i == 0 else _extra_metrics(args, i))])
         for i, name in enumerate(models)]
     base = f"http://{args.host}:{args.port}"

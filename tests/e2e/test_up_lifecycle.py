@@ -7,6 +7,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from engine.options import threads_each
 from tests.e2e.conftest import (
     BIN,
     ROOT,
@@ -45,6 +46,9 @@ def test_the_demo_key_is_made_once_and_a_restart_says_how_to_get_another(tmp_pat
         python = _run_example(up, r"^(python - <<'PY'\n.*?\nPY)$")
         assert python.returncode == 0 and python.stdout.strip(), python.stderr
         assert "word salad" in up.output and "ATRIUM_MODEL=/path/to/model" in up.output
+        # Its two engines (the demo chat and embedding models) split the machine's cores.
+        threads = re.findall(r'"msg": "engine on cpu with (\d+) torch threads"', up.output)
+        assert threads == [str(threads_each(2))] * 2, up.output[-3000:]
         # The server's own address stays readable in its log lines (not user data).
         assert re.search(rf'"msg": "Uvicorn running on http://127\.0\.0\.1:{up.port}',
                          up.output), up.output[-3000:]

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.host_kv import LOAD, SAVE, HostKVTier
@@ -278,6 +279,26 @@ def test_a_prefix_restored_beside_a_step_holds_back_only_its_own_request(
     assert tokens(outputs["back"]) == expected[0] and tokens(outputs["busy"]) == expected[5]
     assert outputs["back"][-1].usage.cached_tokens == 96
     assert engine.snapshot()["kv_host_loads"] - loads == restored  # brought back once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's copy stream")
+def test_on_a_gpu_the_copies_beside_run_on_their_own_stream_with_the_same_output(
+        tiny_model_dir, conversations):
+    plain = _engine(tiny_model_dir, host_mib=0, device="cuda")
+    _round(plain, conversations, "a")
+    computed, _ = _round(plain, conversations, "b")
+    engine = _engine(tiny_model_dir, num_kv_blocks=32, device="cuda")
+    assert engine.runner._copy_stream is not None
+    _round(engine, conversations, "a")
+    # Two at a time: one request's prefix is restored beside the other's steps.
+    for i in range(0, 6, 2):
+        for j in (i, i + 1):
+            engine.add_request(request(f"b{j}", conversations[j], tenant=f"t{j}",
+                                       salt=f"t{j}", max_tokens=MAX_NEW, ignore_eos=True))
+        outs = drain(engine)
+        assert [tokens(outs[f"b{j}"]) for j in (i, i + 1)] == computed[i:i + 2]
+    snap = engine.snapshot()
+    assert snap["kv_host_loads"] > 0 and snap["kv_host_saves"] > 0
 
 
 def test_the_tiers_accounting_returns_to_empty(tiny_model_dir, conversations):
