@@ -128,7 +128,8 @@ class Scheduler:
         scheduled: dict[str, tuple[Sequence, int]] = {}  # in batch order
         self.kv.index_restored()
         victim = tiers.seat_to_yield(self.waiting, self.running, self.kv, self.max_num_seqs,
-                                     self.reserve_seats)
+                                     self.reserve_seats,
+                                     seats_by_share=not self.counters.by_requests)
         if victim is not None:
             self._preempt(victim)
         self.spare_sits_out = tiers.interactive_starting(self.waiting, self.running)

@@ -4,6 +4,8 @@
   engine's seats for it (`may_start`), and a priority sequence that still finds no seat,
   or no KV blocks for its prompt, takes them from the latest sequence of a lower tier
   (`seat_to_yield`); its own are preempted last (the scheduler's victim order).
+- Within a tier, under token-fair scheduling, a sequence finding no seat takes one from
+  the tenant most over its share of the seats (`over_seat_share`).
 - The spare tiers, "flex" then "batch" (protocol.SPARE_TIERS), run on spare capacity only:
   a default or priority sequence waiting for a seat or blocks takes them from the latest
   spare one, which waits and later runs again from its prefix cache; while such a sequence
@@ -78,21 +80,45 @@ def next_to_start(waiting: FairQueue, running: list[Sequence], kv: KVCacheManage
 
 
 def seat_to_yield(waiting: FairQueue, running: list[Sequence], kv: KVCacheManager,
-                  max_num_seqs: int, reserve_seats: int = 0) -> Sequence | None:
+                  max_num_seqs: int, reserve_seats: int = 0, *,
+                  seats_by_share: bool = False) -> Sequence | None:
     """The running sequence to preempt now, when the next to wait is of a default or
     priority tier and cannot start for want of a seat or of its prompt's KV blocks: the
     latest of the lowest tier below it (a spare one first, a default one only for a
-    priority sequence)."""
+    priority sequence); else, with ``seats_by_share`` and for want of a seat, one of its
+    own tier's (`over_seat_share`)."""
     if not waiting:
         return None
     head = waiting.peek()
     if is_spare(head):
         return None
-    lower = [s for s in running if s.rank[0] > head.rank[0]]
-    if not lower:
-        return None
     seats = sum(parallel.seats(s) for s in running)
-    short_of_blocks = kv.blocks_needed(head.num_tokens) > kv.num_free_blocks
-    if not may_start(head, seats, max_num_seqs, reserve_seats) or short_of_blocks:
+    no_seat = not may_start(head, seats, max_num_seqs, reserve_seats)
+    lower = [s for s in running if s.rank[0] > head.rank[0]]
+    if lower and (no_seat or kv.blocks_needed(head.num_tokens) > kv.num_free_blocks):
         return max(lower, key=lambda s: (s.rank[0], s.arrival))
+    if no_seat and seats_by_share:
+        return over_seat_share(head, running, max_num_seqs)
     return None
+
+
+def over_seat_share(head: Sequence, running: list[Sequence], max_num_seqs: int
+                    ) -> Sequence | None:
+    """The latest running sequence of ``head``'s tier whose tenant holds more than its share
+    of the seats, when ``head``'s tenant holds less than its own: shares are the seats
+    split by fair weight among the tenants running and ``head``'s. A tenant keeping many
+    long requests in flight cannot hold the seats other tenants' requests wait for; it
+    keeps at least its share, so two tenants never take a seat back and forth."""
+    held: dict[str, int] = {}
+    weight = {head.tenant_id: head.fair_weight}
+    for seq in running:
+        held[seq.tenant_id] = held.get(seq.tenant_id, 0) + parallel.seats(seq)
+        weight[seq.tenant_id] = seq.fair_weight
+    per_weight = max_num_seqs / sum(weight.values())
+    if held.get(head.tenant_id, 0) + parallel.seats(head) > per_weight * head.fair_weight:
+        return None
+    over = [s for s in running if s.rank[0] == head.rank[0] and s.tenant_id != head.tenant_id
+            and held[s.tenant_id] - parallel.seats(s) >= per_weight * weight[s.tenant_id]]
+    if not over:
+        return None
+    return max(over, key=lambda s: (held[s.tenant_id] / weight[s.tenant_id], s.arrival))

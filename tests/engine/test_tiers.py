@@ -144,6 +144,31 @@ def test_kv_pressure_preempts_the_tenant_most_over_its_share():
     assert all(outputs[s.request_id][-1].finished for s in (hog, modest))
 
 
+@pytest.mark.parametrize("fair_share", ["tokens", "requests"])
+def test_a_tenant_holding_every_seat_yields_them_down_to_its_share(fair_share):
+    sched = Scheduler(scheduler().kv, max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=1024, fair_share=fair_share)
+    hogs = [seq(4, tenant="hog", max_tokens=50) for _ in range(4)]
+    for s in hogs:
+        sched.add(s)
+    step(sched)
+    quiet = [seq(4, tenant="quiet", max_tokens=50) for _ in range(3)]
+    for s in quiet:
+        sched.add(s)
+    for _ in range(6):
+        step(sched)
+    holding = [sum(s.tenant_id == t for s in sched.running) for t in ("hog", "quiet")]
+    if fair_share == "requests":  # the scheduler before token fairness: seats go as they free
+        assert holding == [4, 0] and sched.num_preemptions == 0
+        return
+    # Two tenants, four seats: "quiet" took two, each from the latest of "hog"'s; its
+    # third waits, since "hog" keeps its share.
+    assert holding == [2, 2] and quiet[2].scheduled_at is None
+    assert [h.num_preemptions for h in hogs] == [0, 0, 1, 1]
+    outputs = run_to_completion(sched)
+    assert all(outputs[s.request_id][-1].finished for s in (*hogs, *quiet))
+
+
 def test_reserved_seats_are_left_for_the_priority_tier():
     sched = scheduler(max_num_seqs=3, budget=64)
     sched.reserve_seats = 1
