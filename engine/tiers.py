@@ -104,11 +104,12 @@ def seat_to_yield(waiting: FairQueue, running: list[Sequence], kv: KVCacheManage
 
 def over_seat_share(head: Sequence, running: list[Sequence], max_num_seqs: int
                     ) -> Sequence | None:
-    """The latest running sequence of ``head``'s tier whose tenant holds more than its share
-    of the seats, when ``head``'s tenant holds less than its own: shares are the seats
-    split by fair weight among the tenants running and ``head``'s. A tenant keeping many
-    long requests in flight cannot hold the seats other tenants' requests wait for; it
-    keeps at least its share, so two tenants never take a seat back and forth."""
+    """The latest running sequence of ``head``'s tier (of a plan priority no higher) whose
+    tenant holds more than its share of the seats, when ``head``'s tenant holds less than
+    its own: shares are the seats split by fair weight among the tenants running and
+    ``head``'s. A tenant keeping many long requests in flight cannot hold the seats other
+    tenants' requests wait for; it keeps at least its share, so two tenants never take a
+    seat back and forth."""
     held: dict[str, int] = {}
     weight = {head.tenant_id: head.fair_weight}
     for seq in running:
@@ -117,7 +118,8 @@ def over_seat_share(head: Sequence, running: list[Sequence], max_num_seqs: int
     per_weight = max_num_seqs / sum(weight.values())
     if held.get(head.tenant_id, 0) + parallel.seats(head) > per_weight * head.fair_weight:
         return None
-    over = [s for s in running if s.rank[0] == head.rank[0] and s.tenant_id != head.tenant_id
+    over = [s for s in running if s.rank[0] == head.rank[0] and s.rank >= head.rank
+            and s.tenant_id != head.tenant_id
             and held[s.tenant_id] - parallel.seats(s) >= per_weight * weight[s.tenant_id]]
     if not over:
         return None

@@ -169,6 +169,19 @@ def test_a_tenant_holding_every_seat_yields_them_down_to_its_share(fair_share):
     assert all(outputs[s.request_id][-1].finished for s in (*hogs, *quiet))
 
 
+def test_a_seat_is_not_taken_from_a_plan_of_higher_priority():
+    sched = scheduler(max_num_seqs=4, budget=64)
+    hogs = [seq(4, tenant="hog", max_tokens=50, priority=0) for _ in range(4)]
+    for s in hogs:
+        sched.add(s)
+    step(sched)
+    lower = seq(4, tenant="lower", max_tokens=50, priority=1)
+    sched.add(lower)
+    for _ in range(4):
+        step(sched)
+    assert lower.scheduled_at is None and sched.num_preemptions == 0
+
+
 def test_reserved_seats_are_left_for_the_priority_tier():
     sched = scheduler(max_num_seqs=3, budget=64)
     sched.reserve_seats = 1
