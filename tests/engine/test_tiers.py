@@ -24,6 +24,15 @@ def step(sched: Scheduler) -> list[str]:
     return [r.request_id for r in batch.requests]
 
 
+def fill(sched: Scheduler, tenant: str, n: int, **options) -> list:
+    """``n`` requests of ``tenant`` added and run one step: they hold the seats."""
+    held = [seq(4, tenant=tenant, **options) for _ in range(n)]
+    for s in held:
+        sched.add(s)
+    step(sched)
+    return held
+
+
 def served_while_backlogged(sched: Scheduler, make: dict[str, callable], steps: int,
                             backlog: int = 8) -> dict[str, float]:
     """Runs ``steps`` steps keeping ``backlog`` requests of each tenant in the engine; the
@@ -96,10 +105,7 @@ def test_counters_charge_prompt_and_output_once_not_recomputation_or_cache_hits(
 
 def test_a_priority_request_at_a_full_engine_starts_before_waiting_default_requests():
     sched = scheduler(max_num_seqs=2, budget=64)
-    running = [seq(4, tenant="a", max_tokens=20) for _ in range(2)]
-    for s in running:
-        sched.add(s)
-    step(sched)
+    running = fill(sched, "a", 2, max_tokens=20)
     waiting = [seq(4, tenant="b", max_tokens=4) for _ in range(3)]
     for s in waiting:
         sched.add(s)
@@ -148,10 +154,7 @@ def test_kv_pressure_preempts_the_tenant_most_over_its_share():
 def test_a_tenant_holding_every_seat_yields_them_down_to_its_share(fair_share):
     sched = Scheduler(scheduler().kv, max_num_seqs=4, max_num_batched_tokens=64,
                       max_model_len=1024, fair_share=fair_share)
-    hogs = [seq(4, tenant="hog", max_tokens=50) for _ in range(4)]
-    for s in hogs:
-        sched.add(s)
-    step(sched)
+    hogs = fill(sched, "hog", 4, max_tokens=50)
     quiet = [seq(4, tenant="quiet", max_tokens=50) for _ in range(3)]
     for s in quiet:
         sched.add(s)
@@ -171,10 +174,7 @@ def test_a_tenant_holding_every_seat_yields_them_down_to_its_share(fair_share):
 
 def test_a_seat_is_not_taken_from_a_plan_of_higher_priority():
     sched = scheduler(max_num_seqs=4, budget=64)
-    hogs = [seq(4, tenant="hog", max_tokens=50, priority=0) for _ in range(4)]
-    for s in hogs:
-        sched.add(s)
-    step(sched)
+    fill(sched, "hog", 4, max_tokens=50, priority=0)
     lower = seq(4, tenant="lower", max_tokens=50, priority=1)
     sched.add(lower)
     for _ in range(4):
