@@ -143,11 +143,12 @@ def test_flex_waiting_past_its_clients_timeout_gets_a_429_that_costs_nothing(
         model=served_model, messages=MESSAGES, max_tokens=150))
     long_one.start()
     wait_for(lambda: one_seat_engine_running(redis_client), timeout=20)
-    began = time.monotonic()
+    # The SDK's timeout bounds its wait for the answer (httpx's read timeout, 3 s from the
+    # request sent): a 429 rather than APITimeoutError is the answer before the client gave up.
+    # (A wall clock around the call also counts this busy machine's connect and GIL waits.)
     with pytest.raises(openai.RateLimitError) as refused:
         _client(api_server, key, timeout=3).chat.completions.create(
             model=served_model, messages=MESSAGES, max_tokens=5, service_tier="flex")
-    assert time.monotonic() - began < 3  # before the client's own timeout
     error = refused.value
     assert error.code == "resource_unavailable"
     request_id = error.response.headers["x-request-id"]
