@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.kernels.sgmv import Segments, sgmv_expand_reference, sgmv_shrink_reference
 from engine.lora.adapter import TARGETS, LoRAAdapter, LoRAModule, module_shapes
-from engine.lora.manager import PROJECTIONS, CpuPlan, LoRAManager
+from engine.lora.manager import _BY_SLICE_FROM_ROWS, PROJECTIONS, CpuPlan, LoRAManager
 from engine.models.model_config import ModelConfig
 
 NUM_SLOTS, MAX_RANK = 6, 16
@@ -71,6 +71,43 @@ def test_both_cpu_paths_match_the_sgmv_reference(loaded, runs, proj, seed):
     torch.testing.assert_close(planned, expected, atol=1e-5, rtol=1e-5)
     base_rows = [i for i, slot in enumerate(row_slots) if slot < 0]
     assert torch.equal(planned[base_rows], base[base_rows])  # base-model rows untouched
+
+
+def test_prompt_chunks_expand_slice_by_slice_and_match_the_sgmv_reference(tiny_model_dir):
+    """Segments long enough to expand over B's diagonal blocks one by one, from adapters
+    whose modules differ in rank (a rank_pattern) and leave some modules alone."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    shapes = module_shapes(cfg)
+    gen = torch.Generator().manual_seed(3)
+    manager = LoRAManager(cfg, num_slots=3, max_rank=MAX_RANK, dtype=torch.float32,
+                          device=torch.device("cpu"), use_triton=False)
+    for slot, ranks in enumerate([(12, 4, 8), (16, 16, 16), (2, 0, 6)]):
+        modules = {}
+        for layer in range(cfg.num_layers):
+            for i, module in enumerate(TARGETS):
+                rank = ranks[i % 3]
+                if rank:
+                    fan_in, fan_out = shapes[module]
+                    modules[(layer, module)] = LoRAModule(
+                        torch.randn(rank, fan_in, generator=gen) * 0.1,
+                        torch.randn(fan_out, rank, generator=gen) * 0.1, scaling=1.5 - slot / 2)
+        manager.load_slot(slot, LoRAAdapter(adapter_hash=f"p{slot}", rank=max(ranks),
+                                            modules=modules))
+    long_ = _BY_SLICE_FROM_ROWS
+    row_slots = [1] * long_ + [-1] * 5 + [0] * (long_ + 70) + [2] * (long_ + 1) + [1] * 3
+    seg = Segments.from_row_slots(row_slots)
+    plan = CpuPlan.of(seg)  # long ones never padded together
+    assert [n for _, n, _ in plan.segments] == [long_, long_ + 70, long_ + 1, 3]
+    for layer in range(cfg.num_layers):
+        for proj in PROJECTIONS:
+            stack = manager.stacks[layer][proj]
+            x = torch.randn(len(row_slots), stack.a.shape[2], generator=gen)
+            base = torch.randn(len(row_slots), stack.offsets[-1], generator=gen)
+            expected, planned = base.clone(), base.clone()
+            _reference(manager, layer, proj, x, expected, seg)
+            manager.apply(layer, proj, x, planned, seg, plan)
+            torch.testing.assert_close(planned, expected, atol=1e-5, rtol=1e-5)
+            assert torch.equal(planned[long_:long_ + 5], base[long_:long_ + 5])
 
 
 def test_how_a_plan_groups_segments():
