@@ -22,7 +22,8 @@ Figures:
 - ``throughput_ratio_1000``: tokens/s at 1,000 adapters over the base model's;
 - ``cold_load_*``: reading a rank-16 adapter from local disk (its pages dropped from the
   page cache first), checking and converting it, and copying it into a device slot;
-- ``slot_hit_rate``: request starts whose adapter was already in a device slot;
+- ``slot_hit_rate``: request starts whose adapter was already in a device slot (copied
+  there beside an earlier step for a waiting request counts: ``slot_staged`` such copies);
   ``host_hit_rate``: requests whose adapter was in host memory when they arrived.
 
     .venv/bin/python bench/lora_scale.py [--requests 256] [--adapters 8 128 1000] [--rounds 3]
@@ -173,6 +174,7 @@ def main() -> None:
             "host_hit_rate": round(lifecycle.host_hits
                                    / max(1, lifecycle.host_hits + lifecycle.host_misses), 4),
             "slot_evictions": slots.evictions,
+            "slot_staged": slots.staged,
         }
         print(f"n={n}:", results[f"lora_{n}"], flush=True)
         if n == max(args.adapters):

@@ -301,7 +301,7 @@ class LLMEngine:
             return self._settle(outputs)
         try:
             if self.adapters is not None:
-                self.adapters.fill_slots(self.runner, batch.requests)
+                self.adapters.fill_slots(self.runner, batch.requests, self.scheduler.waiting)
                 clock.lap("adapters")
             sampled = self.runner.run(batch)  # laps inputs, forward, sample
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving the rest

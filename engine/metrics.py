@@ -228,6 +228,8 @@ _COUNTERS = (  # (name, snapshot key, help); the exposition appends _total
      "Requests started whose LoRA adapter was in a device slot already."),
     ("atrium_engine_adapter_slot_misses", "adapter_slot_misses",
      "Requests started whose LoRA adapter was copied into a device slot for them."),
+    ("atrium_engine_adapter_slot_staged", "adapter_slot_staged",
+     "LoRA adapters copied into a device slot beside a step, ahead of their requests."),
     ("atrium_engine_adapter_host_hits", "adapter_host_hits",
      "Requests whose LoRA adapter was in host memory when they arrived."),
     ("atrium_engine_adapter_host_misses", "adapter_host_misses",

@@ -74,6 +74,10 @@ class ModelRunner:
         self._copying: Future[None] | None = None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" \
             else None
+        # Adapters copied into their slots beside a step (AdapterLifecycle stages them for
+        # the requests next in the queue): (slot, adapter, its copy), until settled.
+        self._adapter_thread: ThreadPoolExecutor | None = None
+        self._adapter_copies: list[tuple[int, str, Future[None]]] = []
         self.lora = None if not enable_lora else LoRAManager(
             model_config, num_slots=config.max_loras, max_rank=config.max_lora_rank,
             dtype=self.dtype, device=self.device, use_triton=self.use_triton)
@@ -123,7 +127,43 @@ class ModelRunner:
 
     def copy_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copies an adapter's weights into a LoRA slot (which ones: AdapterLifecycle's call)."""
+        self.settle_adapter_copies()  # a copy beside still writing this slot finishes first
         self.lora.load_slot(slot, adapter)
+
+    def copy_adapter_beside(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Starts copying an adapter into a slot no row of the coming step uses, beside its
+        forward pass (on a GPU on the copy stream); the slot names the adapter once
+        ``settle_adapter_copies`` has seen the copy through."""
+        self.lora.clear_slot(slot)
+        if self._adapter_thread is None:
+            self._adapter_thread = ThreadPoolExecutor(1, thread_name_prefix="adapter-copies")
+        copying = self._adapter_thread.submit(self._write_adapter, slot, adapter,
+                                              self._mark_default_stream())
+        self._adapter_copies.append((slot, adapter.adapter_hash, copying))
+
+    def _write_adapter(self, slot: int, adapter: LoRAAdapter,
+                       mark: torch.cuda.Event | None) -> None:
+        if self._copy_stream is None:
+            self.lora.write_slot(slot, adapter)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(mark)
+            self.lora.write_slot(slot, adapter)
+
+    def settle_adapter_copies(self) -> None:
+        """Waits for the adapter copies started beside earlier steps; each slot whose copy
+        completed names its adapter (one that failed names none, and is copied again when a
+        row needs it)."""
+        copies, self._adapter_copies = self._adapter_copies, []
+        for slot, adapter_hash, copying in copies:
+            try:
+                copying.result()
+            except Exception:  # noqa: BLE001 - the slot stays empty; a row needing it recopies
+                log.exception("copying adapter %s into slot %d failed", adapter_hash, slot)
+                continue
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self.lora.slot_hash[slot] = adapter_hash
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> RunnerOutput:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +31,15 @@ from engine.parallel import choices_of, usage_of
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from engine.fair_queue import FairQueue
     from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+# Each step looks this far into the waiting queue for adapters to copy into slots beside
+# it, and starts at most this many copies (a step is ~20 ms, a demo rank-16 copy ~1 ms).
+_STAGE_LOOKAHEAD = 8
+_STAGE_PER_STEP = 2
 
 
 class AdapterLifecycle:
@@ -111,7 +118,8 @@ class AdapterLifecycle:
         """The tiers' figures for the engine's metrics snapshot."""
         slots = self.slots
         return {"adapter_slot_evictions": slots.evictions, "adapter_slot_hits": slots.hits,
-                "adapter_slot_misses": slots.misses, "adapter_host_hits": self.host_hits,
+                "adapter_slot_misses": slots.misses, "adapter_slot_staged": slots.staged,
+                "adapter_host_hits": self.host_hits,
                 "adapter_host_misses": self.host_misses,
                 "adapter_load": self.cache.load_seconds.to_dict()}
 
@@ -188,10 +196,31 @@ class AdapterLifecycle:
         """Copies the pinned adapters into their slots, before any request."""
         self._copy_in(runner, [(slot, h) for h, slot in self.slots.slot_of.items()])
 
-    def fill_slots(self, runner: ModelRunner, requests: Iterable[ScheduledRequest]) -> None:
-        """Copies into each slot the batch's rows use the adapter it must hold."""
+    def fill_slots(self, runner: ModelRunner, requests: list[ScheduledRequest],
+                   waiting: FairQueue | None = None) -> None:
+        """Copies into each slot the batch's rows use the adapter it must hold, after the
+        copies staged beside the last step; then stages, beside this step, the adapters of
+        the requests next in ``waiting`` (in host memory, in no slot), so that they find
+        them in place: a copy into a slot holds up no step but the one it was needed for
+        before it finished."""
+        runner.settle_adapter_copies()
         self._copy_in(runner, [(r.adapter_slot, r.adapter_hash) for r in requests
                                if r.adapter_slot >= 0])
+        if waiting is None or not requests:  # nothing to copy beside
+            return
+        staged = 0
+        for seq in islice(waiting.candidates(), _STAGE_LOOKAHEAD):
+            adapter_hash = seq.adapter_hash
+            if adapter_hash is None or adapter_hash not in self.cache \
+                    or adapter_hash in self.slots.slot_of:
+                continue
+            slot = self.slots.stage(adapter_hash, seq.tenant_id)
+            if slot is None:
+                continue  # none it could take now: the scheduler decides when one frees
+            runner.copy_adapter_beside(slot, self.cache.get(adapter_hash))
+            staged += 1
+            if staged == _STAGE_PER_STEP:
+                return
 
     def _copy_in(self, runner: ModelRunner, wanted: list[tuple[int, str | None]]) -> None:
         # NOTE: the runner's record of what a slot holds (set only once a copy completes)

@@ -212,13 +212,25 @@ class LoRAManager:
         ``slot_hash[slot]`` names the adapter only once the copy is complete: after a copy
         that failed part-way it is None, never the previous adapter's hash.
         """
+        self.clear_slot(slot)
+        self.write_slot(slot, adapter)
+        self.slot_hash[slot] = adapter.adapter_hash
+
+    def clear_slot(self, slot: int) -> None:
+        """The slot holds no adapter any more: its record and the stacked copies of it go.
+        On the thread that runs the steps (they read and fill those stacks)."""
         self.slot_hash[slot] = None
+        for layer in self.stacks:
+            for stack in layer.values():
+                for kept in [k for k in stack.stacked if slot in k]:
+                    del stack.stacked[kept]
+
+    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Writes an adapter's weights into a cleared slot. Safe beside a step whose rows do
+        not use the slot: the batched paths multiply its weights, if at all, by zero rows."""
         r = self.max_rank
         for layer in self.stacks:
             for stack in layer.values():
-                # The stacks holding this slot's old weights are dropped.
-                for kept in [k for k in stack.stacked if slot in k]:
-                    del stack.stacked[kept]
                 stack.a[slot].zero_()
                 stack.b[slot].zero_()
                 stack.scales[slot].zero_()
@@ -245,7 +257,6 @@ class LoRAManager:
                 lo, hi = stack.offsets[index], stack.offsets[index + 1]
                 scaled = (weights.b * weights.scaling).T  # [rank, out of the slice]
                 stack.ub[slot, first:first + rank, lo:hi] = scaled
-        self.slot_hash[slot] = adapter.adapter_hash
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor,
               seg: Segments, plan: CpuPlan | None = None) -> None:

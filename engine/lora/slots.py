@@ -5,8 +5,10 @@ adapter's slot in use; a slot no sequence uses is idle and may be given to anoth
 adapter: the least recently used idle one of the tenant furthest over its share of the
 slots (engine/lora/shares.py); pinned adapters never leave their slot. A tenant whose plan
 caps its adapters in slots, and holds that many, takes a slot only in place of one of its
-own idle ones: until one idles, its request waits, and nobody else's. Copying the weights
-is not decided here: AdapterLifecycle copies into a slot what a step's rows need.
+own idle ones: until one idles, its request waits, and nobody else's. A slot may also be
+taken ahead of the request that needs it (``stage``: chosen the same way, left idle) so its
+copy is made beside a step. Copying the weights is not decided here: AdapterLifecycle
+copies into a slot what a step's rows need, and what it staged.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class AdapterSlots:
         self.evictions = 0  # adapters moved out of their slot for another
         # Sequences started whose adapter was in a slot already, and those it was copied for.
         self.hits = self.misses = 0
+        self.staged = 0  # adapters placed ahead of their requests, copied beside a step
         self._free = list(range(num_slots - 1, -1, -1))
         self._idle: OrderedDict[str, int] = OrderedDict()  # in a slot, unused: LRU first
         for adapter in pinned:
@@ -60,25 +63,40 @@ class AdapterSlots:
         every slot is busy, or every one its tenant may hold."""
         if adapter in self.slot_of:
             self.hits += 1
-        else:
-            if self._limited(tenant):  # in place of its own oldest idle adapter, or none
-                victim = own_oldest(self._idle, self.owners, tenant)
-                if victim is None:
-                    return None
-            elif self._free:
-                victim = None
-            elif self._idle:
-                victim = fair_victim(self._idle, self.slot_of, self.owners,
-                                     self.owners.get(adapter))
-            else:
-                return None
+        elif self._take(adapter, tenant):
             self.misses += 1
-            if victim is not None:
-                self._evict(victim)
-            self._place(adapter)
+        else:
+            return None
         self._idle.pop(adapter, None)
         self.users[adapter] = self.users.get(adapter, 0) + 1
         return self.slot_of[adapter]
+
+    def stage(self, adapter: str, tenant: str = "") -> int | None:
+        """A slot for an adapter a waiting request of ``tenant`` will need, taken as
+        ``acquire`` would take it but idle (its copy is made beside a step); None when it
+        could take none now."""
+        if adapter in self.slot_of or not self._take(adapter, tenant):
+            return None
+        self.staged += 1
+        self._idle[adapter] = self.slot_of[adapter]
+        return self.slot_of[adapter]
+
+    def _take(self, adapter: str, tenant: str) -> bool:
+        """Places ``adapter`` in a free slot, or in that of the idle adapter to let go of."""
+        if self._limited(tenant):  # in place of its own oldest idle adapter, or none
+            victim = own_oldest(self._idle, self.owners, tenant)
+            if victim is None:
+                return False
+        elif self._free:
+            victim = None
+        elif self._idle:
+            victim = fair_victim(self._idle, self.slot_of, self.owners, self.owners.get(adapter))
+        else:
+            return False
+        if victim is not None:
+            self._evict(victim)
+        self._place(adapter)
+        return True
 
     def release(self, adapter: str) -> None:
         self.users[adapter] -= 1

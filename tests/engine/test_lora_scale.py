@@ -218,3 +218,54 @@ def test_host_memory_lets_a_tenant_over_its_limit_keep_only_what_its_requests_us
         assert set(cache.loaded()) == {hashes[702], hashes[703]}
     finally:
         cache.close()
+
+
+def test_a_waiting_requests_adapter_is_copied_into_a_slot_beside_the_step_before_it_starts(
+        tiny_model_dir, thousand):
+    store_root, folders, hashes = thousand
+    eng = engine(tiny_model_dir, store_root, max_loras=2, max_num_seqs=1)
+    for i in (11, 10, 12):  # all three in host memory; 10 and 12 in the two slots
+        run(eng, [(f"warm-{i}", "t", hashes[i])])
+    assert set(eng.adapters.slots.slot_of) == {hashes[10], hashes[12]}
+    copied_before_a_step = []
+    copy = eng.runner.copy_adapter
+
+    def recorded(slot, adapter):
+        copied_before_a_step.append(adapter.adapter_hash)
+        copy(slot, adapter)
+
+    eng.runner.copy_adapter = recorded
+    eng.add_request(request("first", PROMPT, tenant="t1", adapter="first",
+                            adapter_hash=hashes[10], max_tokens=MAX_NEW))
+    outputs = {"first": eng.step()}
+    hits, staged = eng.adapters.slots.hits, eng.adapters.slots.staged
+    # The second waits for the one seat; the first's next step copies its adapter into the
+    # idle slot beside its forward pass.
+    eng.add_request(request("second", PROMPT, tenant="t2", adapter="second",
+                            adapter_hash=hashes[11], max_tokens=MAX_NEW))
+    for rid, outs in drain(eng).items():
+        outputs.setdefault(rid, []).extend(outs)
+    assert eng.adapters.slots.staged == staged + 1
+    assert eng.adapters.slots.hits == hits + 1  # its start found it in place
+    assert copied_before_a_step == []  # no step waited for a copy
+    assert eng.adapters.slots.slot_of[hashes[11]] is not None
+    for rid, i in (("first", 10), ("second", 11)):
+        assert tokens(outputs[rid]) == peft_greedy(tiny_model_dir, folders[i], [PROMPT],
+                                                   MAX_NEW)[0], rid
+    assert eng.adapters.stats()["adapter_slot_staged"] == eng.adapters.slots.staged
+
+
+def test_a_staged_slot_is_taken_as_acquire_would_take_it_and_left_idle():
+    owners = {"q": ("quiet", 1.0), "f0": ("flood", 1.0), "f1": ("flood", 1.0),
+              "f2": ("flood", 1.0)}
+    slots = AdapterSlots(3, owners=owners, limits={"flood": 2})
+    slots.acquire("q")
+    assert slots.stage("f0", "flood") is not None and slots.stage("f0", "flood") is None
+    assert slots.users == {"q": 1}  # staged: idle, in no request's use
+    assert slots.stage("f1", "flood") is not None
+    # The flooding tenant is at its cap of two: a third takes its own oldest idle one.
+    assert slots.stage("f2", "flood") == slots.slot_of["f2"] and "f0" not in slots.slot_of
+    slots.acquire("f1", "flood")
+    slots.acquire("f2", "flood")
+    assert slots.stage("f0", "flood") is None  # its own are busy, and the quiet one's too
+    assert slots.hits == 2 and slots.misses == 1 and slots.staged == 3
