@@ -24,6 +24,9 @@ Figures:
   page cache first), checking and converting it, and copying it into a device slot;
 - ``slot_hit_rate``: request starts whose adapter was already in a device slot (copied
   there beside an earlier step for a waiting request counts: ``slot_staged`` such copies);
+- ``adapters_phase_s``: seconds the steps waited for adapter copies into slots before their
+  forward pass, over the rounds; at the largest N, ``lora_N_unstaged`` runs the same rounds
+  on an engine that stages nothing (every copy made before the step that needs it);
   ``host_hit_rate``: requests whose adapter was in host memory when they arrived.
 
     .venv/bin/python bench/lora_scale.py [--requests 256] [--adapters 8 128 1000] [--rounds 3]
@@ -71,12 +74,18 @@ def workload(n: int, vocab: range, adapters: list[str] | None, seed: int) -> lis
 
 
 def run_engine(engine, reqs: list[BenchRequest]) -> dict:
-    return run_queued(engine, [protocol.EngineRequest(
+    """The run's summary, and the seconds its steps spent copying adapters into slots
+    before their forward pass (``adapters_phase_s``)."""
+    phases = engine.metrics.clock.seconds
+    before = phases.get("adapters", 0.0)
+    result = run_queued(engine, [protocol.EngineRequest(
         request_id=r.request_id, model="bench", prompt_token_ids=r.prompt_token_ids,
         tenant_id=f"tenant-{i % TENANTS}", cache_salt=r.request_id,
         adapter=r.tenant_id[:12] or None, adapter_hash=r.tenant_id or None,
         sampling=protocol.SamplingSpec(max_tokens=r.max_tokens, temperature=0.0,
                                        ignore_eos=True)) for i, r in enumerate(reqs)])
+    result["adapters_phase_s"] = round(phases.get("adapters", 0.0) - before, 4)
+    return result
 
 
 def flop_floor(model_dir: Path, rank: int) -> tuple[float, float]:
@@ -157,6 +166,22 @@ def main() -> None:
             runs.append(run_engine(engine, workload(args.requests, vocab, adapters, seed)))
             print(f"n={n} round {round_ + 1}: base {base_runs[-1]['output_tokens_per_s']} "
                   f"lora {runs[-1]['output_tokens_per_s']} tok/s", flush=True)
+        if n == max(args.adapters):
+            # The same rounds on an engine that copies every adapter into its slot before
+            # the step that needs it (no staging beside earlier steps).
+            unstaged = fresh_engine()
+            unstaged.adapters.stage_per_step = 0
+            unstaged_runs = [run_engine(unstaged, workload(args.requests, vocab, adapters,
+                                                           100 * round_ + n))
+                             for round_ in range(args.rounds)]
+            results[f"lora_{n}_unstaged"] = {
+                "output_tokens_per_s": statistics.median(
+                    r["output_tokens_per_s"] for r in unstaged_runs),
+                "rounds_tokens_per_s": [r["output_tokens_per_s"] for r in unstaged_runs],
+                "adapters_phase_s": round(sum(r["adapters_phase_s"] for r in unstaged_runs), 3),
+                "slot_hit_rate": round(unstaged.adapters.slots.hits / max(
+                    1, unstaged.adapters.slots.hits + unstaged.adapters.slots.misses), 4)}
+            print(f"n={n} unstaged:", results[f"lora_{n}_unstaged"], flush=True)
         slots, lifecycle = engine.adapters.slots, engine.adapters
         base_tps = statistics.median(r["output_tokens_per_s"] for r in base_runs[-args.rounds:])
         tps = statistics.median(r["output_tokens_per_s"] for r in runs)
@@ -175,6 +200,7 @@ def main() -> None:
                                    / max(1, lifecycle.host_hits + lifecycle.host_misses), 4),
             "slot_evictions": slots.evictions,
             "slot_staged": slots.staged,
+            "adapters_phase_s": round(sum(r["adapters_phase_s"] for r in runs), 3),
         }
         print(f"n={n}:", results[f"lora_{n}"], flush=True)
         if n == max(args.adapters):

@@ -68,6 +68,7 @@ class AdapterLifecycle:
         self.names: dict[str, str] = {}  # adapter hash -> the name requests call it by
         # Requests whose adapter was in host memory when they arrived, and those it was not.
         self.host_hits = self.host_misses = 0
+        self.stage_per_step = _STAGE_PER_STEP  # copies started beside a step at most
 
     # -- what the engine asks ---------------------------------------------------------------
 
@@ -208,19 +209,21 @@ class AdapterLifecycle:
                                if r.adapter_slot >= 0])
         if waiting is None or not requests:  # nothing to copy beside
             return
+        ahead = [s for s in islice(waiting.candidates(), _STAGE_LOOKAHEAD)
+                 if s.adapter_hash is not None]
+        slots = self.slots
+        slots.kept_for_waiting = {s.adapter_hash for s in ahead if s.adapter_hash in slots.slot_of}
         staged = 0
-        for seq in islice(waiting.candidates(), _STAGE_LOOKAHEAD):
-            adapter_hash = seq.adapter_hash
-            if adapter_hash is None or adapter_hash not in self.cache \
-                    or adapter_hash in self.slots.slot_of:
-                continue
-            slot = self.slots.stage(adapter_hash, seq.tenant_id)
-            if slot is None:
-                continue  # none it could take now: the scheduler decides when one frees
-            runner.copy_adapter_beside(slot, self.cache.get(adapter_hash))
-            staged += 1
-            if staged == _STAGE_PER_STEP:
+        for seq in ahead:
+            if staged == self.stage_per_step:
                 return
+            adapter_hash = seq.adapter_hash
+            if adapter_hash not in self.cache or adapter_hash in slots.slot_of:
+                continue
+            slot = slots.stage(adapter_hash, seq.tenant_id)
+            if slot is not None:  # else none it may take now: the scheduler waits for one
+                runner.copy_adapter_beside(slot, self.cache.get(adapter_hash))
+                staged += 1
 
     def _copy_in(self, runner: ModelRunner, wanted: list[tuple[int, str | None]]) -> None:
         # NOTE: the runner's record of what a slot holds (set only once a copy completes)

@@ -36,6 +36,10 @@ class AdapterSlots:
         # Sequences started whose adapter was in a slot already, and those it was copied for.
         self.hits = self.misses = 0
         self.staged = 0  # adapters placed ahead of their requests, copied beside a step
+        # Idle adapters the first waiting requests will use (staged for them, or left from
+        # earlier ones): let go of last, and never to stage another (AdapterLifecycle
+        # sets them each step).
+        self.kept_for_waiting: set[str] = set()
         self._free = list(range(num_slots - 1, -1, -1))
         self._idle: OrderedDict[str, int] = OrderedDict()  # in a slot, unused: LRU first
         for adapter in pinned:
@@ -73,24 +77,30 @@ class AdapterSlots:
 
     def stage(self, adapter: str, tenant: str = "") -> int | None:
         """A slot for an adapter a waiting request of ``tenant`` will need, taken as
-        ``acquire`` would take it but idle (its copy is made beside a step); None when it
-        could take none now."""
-        if adapter in self.slot_of or not self._take(adapter, tenant):
+        ``acquire`` would take it but idle (its copy is made beside a step), never in place
+        of an adapter kept for another waiting request; None when it could take none now."""
+        if adapter in self.slot_of or not self._take(adapter, tenant, staging=True):
             return None
         self.staged += 1
         self._idle[adapter] = self.slot_of[adapter]
+        self.kept_for_waiting.add(adapter)
         return self.slot_of[adapter]
 
-    def _take(self, adapter: str, tenant: str) -> bool:
-        """Places ``adapter`` in a free slot, or in that of the idle adapter to let go of."""
+    def _take(self, adapter: str, tenant: str, staging: bool = False) -> bool:
+        """Places ``adapter`` in a free slot, or in that of the idle adapter to let go of:
+        one no waiting request is about to use where there is such (staging: only such)."""
+        idle = [a for a in self._idle if a not in self.kept_for_waiting]
+        if not idle and not staging:
+            idle = list(self._idle)
         if self._limited(tenant):  # in place of its own oldest idle adapter, or none
-            victim = own_oldest(self._idle, self.owners, tenant)
+            victim = own_oldest(idle, self.owners, tenant) or (
+                None if staging else own_oldest(self._idle, self.owners, tenant))
             if victim is None:
                 return False
         elif self._free:
             victim = None
-        elif self._idle:
-            victim = fair_victim(self._idle, self.slot_of, self.owners, self.owners.get(adapter))
+        elif idle:
+            victim = fair_victim(idle, self.slot_of, self.owners, self.owners.get(adapter))
         else:
             return False
         if victim is not None:

@@ -255,17 +255,23 @@ def test_a_waiting_requests_adapter_is_copied_into_a_slot_beside_the_step_before
     assert eng.adapters.stats()["adapter_slot_staged"] == eng.adapters.slots.staged
 
 
-def test_a_staged_slot_is_taken_as_acquire_would_take_it_and_left_idle():
+def test_a_staged_slot_is_taken_as_acquire_would_take_it_and_kept_for_its_request():
     owners = {"q": ("quiet", 1.0), "f0": ("flood", 1.0), "f1": ("flood", 1.0),
-              "f2": ("flood", 1.0)}
+              "f2": ("flood", 1.0), "f3": ("flood", 1.0)}
     slots = AdapterSlots(3, owners=owners, limits={"flood": 2})
     slots.acquire("q")
     assert slots.stage("f0", "flood") is not None and slots.stage("f0", "flood") is None
     assert slots.users == {"q": 1}  # staged: idle, in no request's use
     assert slots.stage("f1", "flood") is not None
-    # The flooding tenant is at its cap of two: a third takes its own oldest idle one.
-    assert slots.stage("f2", "flood") == slots.slot_of["f2"] and "f0" not in slots.slot_of
-    slots.acquire("f1", "flood")
+    # The flooding tenant is at its cap of two, both kept for its waiting requests: staging
+    # a third takes neither; a request starting takes its own oldest as before.
+    assert slots.stage("f2", "flood") is None
     slots.acquire("f2", "flood")
+    assert "f0" not in slots.slot_of and slots.slot_of.keys() == {"q", "f1", "f2"}
+    slots.release("f2")
+    slots.kept_for_waiting = {"f1"}  # the next waiting requests want f1 only
+    assert slots.stage("f3", "flood") == slots.slot_of["f3"] and "f2" not in slots.slot_of
+    slots.acquire("f1", "flood")
+    slots.acquire("f3", "flood")
     assert slots.stage("f0", "flood") is None  # its own are busy, and the quiet one's too
-    assert slots.hits == 2 and slots.misses == 1 and slots.staged == 3
+    assert slots.hits == 2 and slots.misses == 2 and slots.staged == 3
