@@ -91,6 +91,9 @@ def first_token(client: httpx.Client, model: str, *, max_tokens: int = 8,
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # an error event ends the stream: the probe records it
+                raise AssertionError(f"error event after {time.monotonic() - began:.1f} s: "
+                                     f"{chunk['error']}")
             request_id = chunk["id"]
             if ttft is None and any(c["delta"].get("content") for c in chunk["choices"]):
                 ttft = time.monotonic() - began
