@@ -11,5 +11,7 @@ class AtriumConfig(AppConfig):
 
     def ready(self) -> None:
         from atrium.celery import check_broker
+        from core import cancellation
 
+        cancellation.install()
         check_broker()
