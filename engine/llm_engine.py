@@ -266,8 +266,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) + self._num_loading()
 
     def room(self) -> int:
-        """How many more placed requests the worker may hand over now (``lane_room``: a
-        lane's)."""
+        """How many more placed requests the worker may hand over now (lane_room: a lane's)."""
         held = self.num_waiting() - sum(self._lane_waiting(lane) for lane in protocol.LANES)
         return max(0, self.config.max_waiting - held)
 
@@ -349,8 +348,7 @@ class LLMEngine:
 
     def _keep_accepted_drafts(self, batch: SchedulerOutput | None,
                               ran: RunnerOutput | None) -> None:
-        """The draft model's cache keeps what the target accepted and forgets ended
-        sequences."""
+        """The draft model's cache keeps what the target accepted, forgets ended sequences."""
         if self.drafter is None:
             return
         accepted = {} if batch is None else {
@@ -460,14 +458,16 @@ class LLMEngine:
         }
 
     def placement(self) -> dict[str, Any]:
-        """What the web tier places requests by (inference/routing.py): the prefixes cached
-        here, the tenants ahead of their share, the adapters in host memory, how full the
-        KV cache is, and how many requests it holds at most (running and waiting)."""
+        """What the web tier places requests by (inference/routing.py): cached prefixes,
+        tenants ahead of their share, adapters, KV use, and how many requests it holds."""
         summary = PrefixSummary.of(self.kv.pool.cached_keys(), self.config.block_size)
         return {"prefix": summary.to_dict(), "kv_usage": round(self.kv.usage, 4),
                 "fair": self.scheduler.counters.standing(protocol.FAIR_STANDING_MAX),
-                "adapters": self.adapters.resident() if self.adapters is not None else [],
+                "adapters": self.resident_adapters(),
                 "seats": self.config.max_num_seqs + self.config.max_waiting}
+
+    def resident_adapters(self) -> list[str]:
+        return self.adapters.resident() if self.adapters is not None else []
 
     def _adapter_snapshot(self) -> dict[str, Any]:
         if self.adapters is None:

@@ -101,6 +101,9 @@ class EngineCore(Protocol):
     def placement(self) -> dict[str, Any]:
         """What the web tier places requests by (inference/routing.py); {}: nothing."""
 
+    def resident_adapters(self) -> list[str]:
+        """The adapters in host memory or loading into it, sorted (the placement's)."""
+
     def snapshot(self) -> dict[str, Any] | None:
         """Everything the heartbeat carries and Prometheus exports; None: no metrics."""
 
@@ -117,6 +120,9 @@ class PlainEngine:
 
     def placement(self) -> dict[str, Any]:
         return {}
+
+    def resident_adapters(self) -> list[str]:
+        return []
 
     def snapshot(self) -> dict[str, Any] | None:
         return None

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 CANCELS_READ = 1000  # cancels read per step at most; the rest the step after
 LIVENESS_S = 60.0  # a loop stuck this long is not live (its probe fails)
+EARLY_BEAT_S = 0.1  # an adapter's arrival or departure is heard this soon at most
 
 
 @dataclass(slots=True)
@@ -95,6 +96,9 @@ class Worker:
         self.started_at = time.time()
         self.steps = 0
         self._next_heartbeat = 0.0
+        # The adapters the last heartbeat named, and when one may go out early for a change.
+        self._beat_adapters: list[str] = []
+        self._early_beat_from = 0.0
         self._next_recovery = 0.0
         self.last_snapshot: dict[str, Any] | None = None  # the engine's, as of the last heartbeat
         # Deletions before this engine started concern adapters it never loaded: it reads on
@@ -175,6 +179,8 @@ class Worker:
             self.read_adapter_events()
             self._next_recovery = now + self.config.recovery_interval_s
         self.take()
+        if self._adapters_moved(now):
+            self.heartbeat()
         if self.engine.has_unfinished():
             self.clock.lap("redis_in")
             outputs = self.engine.step()
@@ -259,11 +265,20 @@ class Worker:
             pipe.execute()
         self.registered = True
         self._next_heartbeat = time.monotonic() + protocol.HEARTBEAT_INTERVAL_S
+        self._early_beat_from = time.monotonic() + EARLY_BEAT_S
+        self._beat_adapters = beat.placement.get("adapters") or []
         if self.draining:
             # Again each heartbeat: a web process may place work here until it reads this one.
             self.streams.hand_back(self.events)
         else:
             self.streams.see_peers()
+
+    def _adapters_moved(self, now: float) -> bool:
+        """An adapter began loading here or left host memory since the last heartbeat: the
+        web tier hears it now, not up to a heartbeat later, so the next requests for it
+        from any web process come here (inference/routing.py)."""
+        return now >= self._early_beat_from \
+            and self.engine.resident_adapters() != self._beat_adapters
 
     def placement(self) -> dict[str, Any]:
         """What the web tier places by; ``stream``: this engine reads its own stream;

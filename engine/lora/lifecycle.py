@@ -125,8 +125,10 @@ class AdapterLifecycle:
                 "adapter_load": self.cache.load_seconds.to_dict()}
 
     def resident(self) -> list[str]:
-        """The adapters in host memory (a slot is a copy away), as content hashes."""
-        return self.cache.loaded()
+        """The adapters in host memory (a slot is a copy away) or on their way there, as
+        content hashes, sorted: the requests placed here next for one of them wait for no
+        other load."""
+        return sorted({*self.cache.loaded(), *self._loading})
 
     def holds_request(self, request_id: str) -> bool:
         return any(s.request_id == request_id for w in self._loading.values() for s in w)

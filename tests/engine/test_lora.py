@@ -370,6 +370,32 @@ def test_the_worker_hears_of_deleted_adapters(tiny_model_dir, store_root, adapte
     assert digest not in eng.adapters
 
 
+def test_an_adapter_starting_to_load_is_in_a_heartbeat_at_once(tiny_model_dir, store_root,
+                                                               adapters, redis_client):
+    """The web tier places the next requests for an adapter where it is loading: the
+    engine's heartbeat names it as soon as its load begins, not a second later."""
+    import time
+
+    from engine.worker import Worker, WorkerConfig
+
+    eng = engine(tiny_model_dir, store_root)
+    worker = Worker(redis_client, eng, model_name="tiny", engine_id="e", config=WorkerConfig())
+    worker.streams.ensure_groups()
+    worker.heartbeat()
+
+    def named() -> list[str]:
+        beat = protocol.EngineHeartbeat.decode(redis_client.get(protocol.engine_key("e")))
+        return beat.placement["adapters"]
+
+    assert named() == []
+    digest = adapters["qv-r16"][1]
+    eng.add_request(adapter_request("r1", PROMPTS[0], "qv-r16", adapters))
+    assert eng.adapters.resident() == [digest]  # on its way to host memory: counted
+    time.sleep(0.15)  # past the early heartbeat's spacing, well before the next second's
+    worker.tick()
+    assert named() == [digest]
+
+
 def test_metrics_name_the_adapters_running_and_waiting(tiny_model_dir, store_root, adapters):
     """vllm:lora_requests_info as vLLM writes it (what the inference extension's endpoint
     picker reads), and the adapter extras: load times and slot evictions."""
