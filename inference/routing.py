@@ -8,8 +8,8 @@ what the request would cost there, in prompt tokens to compute:
 - the prompt's blocks that engine does not cache (its keys chain the tenant's
   server-side cache scope, so only this tenant's own blocks ever count), by its
   summary or by what this process placed there since;
-- a load from the adapter store when the adapter is not in its memory, nor on its way
-  there (its heartbeat's list, or this process placed a request for it there since);
+- a load from the adapter store when the adapter is neither in its memory nor on its way
+  there (the heartbeat names both, and goes out as soon as a load begins);
 - the requests ahead of it (waiting there, queued unread in its stream, and those
   this process sent it since its last heartbeat and has not seen start) and those
   running beside it;
@@ -55,9 +55,6 @@ MAX_KEYS = 1024  # prompt blocks looked up at most (a 16k-token prefix at 16 per
 SESSION_MAX = 256  # characters of a session hint
 PLACED_KEYS = 8192  # prompt blocks remembered per engine (this process's placements)
 SENT_FORGET_S = 60.0  # a placement never seen to start counts as load this long at most
-# A request for an adapter placed on an engine less than this before its heartbeat was
-# written: the engine may not have read it yet, so the adapter counts as on its way there.
-ADAPTER_READ_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +79,6 @@ class Router:
         # Engine -> (the heartbeat's sent_at, its prefix summary): decoded once per
         # heartbeat, not once per request.
         self._summaries: dict[str, tuple[float, PrefixSummary | None]] = {}
-        # Engine -> adapter hash -> when this process last placed a request for it there,
-        # oldest first: a burst for one adapter follows its first request there before a
-        # heartbeat names it.
-        self._adapters: dict[str, OrderedDict[str, float]] = {}
 
     def place(self, request: protocol.EngineRequest, beats: list[protocol.EngineHeartbeat],
               *, policy: str = "scored", session: str | None = None) -> Placement:
@@ -108,19 +101,16 @@ class Router:
                 ROUTING_PLACEMENTS.labels(policy, "overflow").inc()
                 return Placement(protocol.request_stream(request.model), None)
             chosen, cached, reason = self._score(request, roomy, session)
-        now = time.time()
-        self._sent.setdefault(chosen.engine_id, {})[request.request_id] = now
+        self._sent.setdefault(chosen.engine_id, {})[request.request_id] = time.time()
         if len(self._sent) > 4 * len(beats):  # engines gone: forget them
             live = {b.engine_id for b in beats}
             self._sent = {e: sent for e, sent in self._sent.items() if e in live}
             self._placed = {e: keys for e, keys in self._placed.items() if e in live}
             self._summaries = {e: s for e, s in self._summaries.items() if e in live}
-            self._adapters = {e: a for e, a in self._adapters.items() if e in live}
         ROUTING_PLACEMENTS.labels(policy, reason).inc()
         if request.adapter_hash:
-            resident = self._holds(chosen, request.adapter_hash)
+            resident = request.adapter_hash in (chosen.placement.get("adapters") or ())
             ROUTING_ADAPTER_PLACEMENTS.labels(policy, "yes" if resident else "no").inc()
-            self._placed_adapter(chosen.engine_id, request.adapter_hash, now)
         return Placement(protocol.engine_stream(request.model, chosen.engine_id),
                          chosen.engine_id, cached)
 
@@ -142,7 +132,8 @@ class Router:
                 cached = max(summary.cached_blocks(keys[size]),
                              _leading(keys[size], self._placed.get(beat.engine_id))) * size
             cost = len(request.prompt_token_ids) - cached
-            if request.adapter_hash and not self._holds(beat, request.adapter_hash):
+            if request.adapter_hash and request.adapter_hash not in \
+                    (beat.placement.get("adapters") or ()):
                 cost += ADAPTER_COST
             cost += QUEUE_COST * (beat.waiting + beat.queued + self._sent_since(beat))
             cost += RUNNING_COST * beat.running
@@ -168,22 +159,6 @@ class Router:
             placed[key] = None
             placed.move_to_end(key)
         while len(placed) > PLACED_KEYS:
-            placed.popitem(last=False)
-
-    def _holds(self, beat: protocol.EngineHeartbeat, adapter_hash: str) -> bool:
-        """The adapter is in the engine's host memory or on its way there."""
-        if adapter_hash in (beat.placement.get("adapters") or ()):
-            return True
-        at = self._adapters.get(beat.engine_id, {}).get(adapter_hash)
-        return at is not None and at > beat.sent_at - ADAPTER_READ_S
-
-    def _placed_adapter(self, engine_id: str, adapter_hash: str, now: float) -> None:
-        placed = self._adapters.setdefault(engine_id, OrderedDict())
-        placed[adapter_hash] = now
-        placed.move_to_end(adapter_hash)
-        # NOTE: a heartbeat written since a placement answers for it: older ones go.
-        forget = now - 4 * ADAPTER_READ_S
-        while next(iter(placed.values())) < forget:
             placed.popitem(last=False)
 
     def _free(self, beat: protocol.EngineHeartbeat) -> int:

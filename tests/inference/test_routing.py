@@ -4,7 +4,6 @@ summaries built by engine/prefix_hash.py from the keys an engine caches."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import itertools
 import time
@@ -80,25 +79,6 @@ def test_an_engine_holding_the_adapter_is_preferred_among_equals():
     beats = [_beat("without"), _beat("with", adapters=[ADAPTER]),
              _beat("other", adapters=["b" * 64])]
     assert {Router().place(request, beats).engine_id for _ in range(20)} == {"with"}
-
-
-def test_requests_for_a_cold_adapter_follow_the_first_before_a_heartbeat_names_it():
-    """Its first request starts a load on one engine: the next ones (other tenants, other
-    prompts) go there too instead of starting loads elsewhere, until a heartbeat written
-    well after says the engine no longer holds it."""
-    router = Router()
-    beats = [_beat("e1"), _beat("e2"), _beat("e3")]
-
-    def place(tenant: str, prompt: list[int], beats: list[protocol.EngineHeartbeat]) -> str:
-        request = _request(tenant, prompt=prompt, adapter="tuned", adapter_hash=ADAPTER)
-        placement = router.place(request, beats)
-        router.started(placement, request.request_id)  # no load left behind: only the adapter
-        return placement.engine_id
-
-    first = place("t0", [1, 2, 3], beats)
-    assert all(place(f"t{tenant}", [tenant] * 40, beats) == first for tenant in range(1, 9))
-    later = [dataclasses.replace(b, sent_at=time.time() + 1) for b in beats]
-    assert len({place(f"u{i}", [i] * 40, later) for i in range(30)}) > 1
 
 
 def test_the_adapter_hit_rate_counts_placements_on_an_engine_holding_the_adapter():
